@@ -1,0 +1,25 @@
+"""kvforge: a high-throughput LLM inference and serving engine built as a plugin framework.
+
+``from kvforge import LLM, SamplingParams`` is the public offline API.
+"""
+from kvforge.hookspecs import hookimpl
+from kvforge.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "hookimpl", "RequestOutput", "CompletionOutput", "EngineConfig", "LLMEngine"]
+
+
+def __getattr__(name):  # keep `import kvforge` light: torch-heavy parts load on first use
+    if name == "LLM":
+        from kvforge.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from kvforge import outputs
+        return getattr(outputs, name)
+    if name == "EngineConfig":
+        from kvforge.config import EngineConfig
+        return EngineConfig
+    if name == "LLMEngine":
+        from kvforge.engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(f"module 'kvforge' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""Resolving plugin names into components, once, when an engine is built."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvforge.config import EngineConfig, build_options
+from kvforge.plugin_manager import KINDS, PluginManager
+
+logger = logging.getLogger(__name__)
+
+#: ``auto`` preference for attention backends, best first.
+ATTENTION_PREFERENCE = {"cuda": ["flashinfer", "flash_attn", "triton", "torch"], "cpu": ["torch"]}
+
+#: config field naming the selected component of each kind
+SELECTING_FIELD = {"attention_backend": "attention_backend", "scheduler": "scheduler", "sampler": "sampler",
+                   "kv_cache_manager": "kv_cache_manager", "drafter": "drafter"}
+
+
+def validate_plugin_tables(pm: PluginManager, config: EngineConfig) -> None:
+    """Every ``[plugins.<name>]`` table must name a registered component and hold valid options."""
+    for name, table in config.plugins.items():
+        kinds = [k for k in KINDS if k != "model" and name in pm.registries[k]]
+        if not kinds:
+            valid = sorted({n for k in KINDS if k != "model" for n in pm.names(k)})
+            raise ValueError(f"config [plugins.{name}]: no plugin component is named {name!r}; "
+                             f"valid names: {', '.join(valid)}")
+        for kind in kinds:
+            build_options(pm.get(kind, name), name, table)
+
+
+def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **kwargs: Any) -> Any:
+    """Instantiate the component ``name`` of ``kind`` with its validated ``[plugins.<name>]`` options."""
+    cls = pm.get(kind, name)
+    options = build_options(cls, name, config.plugins.get(name, {}))
+    return cls(**kwargs, **options)
+
+
+def select_attention_backend(pm: PluginManager, name: str, *, device: torch.device, dtype: torch.dtype,
+                             head_size: int, block_size: int) -> type:
+    """The backend class for ``name``; ``auto`` picks the best one that accepts this setup."""
+    if name != "auto":
+        cls = pm.get("attention_backend", name)
+        reasons = cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        if reasons:
+            raise ValueError(f"attention_backend {name!r} cannot be used: {'; '.join(reasons)}")
+        return cls
+    registered = pm.names("attention_backend")
+    order = [n for n in ATTENTION_PREFERENCE.get(device.type, ["torch"]) if n in registered]
+    refused = []
+    for candidate in order:
+        try:
+            cls = pm.get("attention_backend", candidate)
+        except ImportError as exc:
+            refused.append(f"{candidate}: {exc}")
+            continue
+        reasons = cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        if not reasons:
+            logger.info("attention backend: %s (auto)%s", candidate,
+                        f"; refused: {' | '.join(refused)}" if refused else "")
+            return cls
+        refused.append(f"{candidate}: {'; '.join(reasons)}")
+    raise ValueError(f"no attention backend accepts device={device.type} dtype={dtype} head_size={head_size} "
+                     f"block_size={block_size}: {' | '.join(refused) or 'none registered'}")

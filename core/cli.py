@@ -1,0 +1,113 @@
+"""The ``kvforge`` command: ``generate``, ``plugins`` (and ``serve`` / ``bench`` where installed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", dict(default=None, help="HF directory, .gguf file, hub id or dummy:<preset> (default: SmolLM2-135M)")),
+    ("--config", dict(default=None, help="TOML/YAML file of engine options and [plugins.<name>] tables")),
+    ("--tokenizer", dict(default=None)),
+    ("--load-format", dict(default=None, choices=["auto", "dummy"])),
+    ("--dtype", dict(default=None, choices=["auto", "float32", "float16", "bfloat16", "half", "float"])),
+    ("--device", dict(default=None, help="auto, cpu or cuda[:N]")),
+    ("--seed", dict(type=int, default=None)),
+    ("--max-model-len", dict(type=int, default=None)),
+    ("--block-size", dict(type=int, default=None)),
+    ("--gpu-memory-utilization", dict(type=float, default=None)),
+    ("--kv-cache-memory-gib", dict(type=float, default=None)),
+    ("--num-gpu-blocks-override", dict(type=int, default=None)),
+    ("--max-num-seqs", dict(type=int, default=None)),
+    ("--max-num-batched-tokens", dict(type=int, default=None)),
+    ("--attention-backend", dict(default=None)),
+    ("--scheduler", dict(default=None)),
+    ("--sampler", dict(default=None)),
+    ("--kv-cache-manager", dict(default=None)),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    for flag, kwargs in ENGINE_FLAGS:
+        if flag == "--model" and not model_flag:
+            continue
+        parser.add_argument(flag, **kwargs)
+    parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvforge import LLM, SamplingParams
+
+    kwargs = engine_kwargs(args)
+    llm = LLM(kwargs.pop("model", None), config=kwargs.pop("config", None), **kwargs)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from kvforge.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    report = [{"name": i.name, "module": i.module, "distribution": i.distribution, "version": i.version,
+               "registers": i.registers} for i in pm.plugins.values()]
+    report += [{"name": i.name, "module": i.module, "distribution": i.distribution, "version": i.version,
+                "error": i.error} for i in pm.failed.values()]
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    plugins = sub.add_parser("plugins", help="list discovered plugins as JSON")
+    plugins.set_defaults(func=cmd_plugins)
+
+    try:  # the server registers its own subcommand when its dependencies are installed
+        from kvforge.server.cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

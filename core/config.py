@@ -1,0 +1,164 @@
+"""``EngineConfig``: every engine option in one dataclass, checked on creation; config files.
+
+Precedence: dataclass defaults < config file (TOML or YAML) < keyword arguments / CLI flags.
+A config file holds engine options at its top level and one ``[plugins.<name>]`` table per plugin
+component whose options it sets::
+
+    model = "/models/SmolLM2-135M-Instruct"
+    attention_backend = "torch"
+    scheduler = "fcfs"
+    max_num_batched_tokens = 4096
+
+    [plugins.fcfs]
+    long_prefill_token_threshold = 512
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (names as vLLM's where the meaning is the same).
+
+    model: HF directory, ``.gguf`` file, hub id, ``dummy:<preset>``, or None for the default model.
+    tokenizer: tokenizer path if not the model's own.
+    load_format: ``auto`` or ``dummy`` (random weights of the model's shape).
+    dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16``, ``bfloat16``.
+    device: ``auto`` (CUDA if available), ``cpu`` or ``cuda[:N]``.
+    seed: seed of dummy weights and of unseeded sampling.
+    max_model_len: context length (prompt + output); default the model's, capped by the KV pool.
+    block_size: tokens per KV-cache block.
+    gpu_memory_utilization: fraction of GPU memory the engine may use in total (CUDA).
+    kv_cache_memory_gib: KV pool size on CPU in GiB (CUDA: overrides the profiled size).
+    num_gpu_blocks_override: exact number of KV blocks (any device); wins over the two above.
+    max_num_seqs: most requests running in one step.
+    max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
+    enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+    attention_backend / scheduler / sampler / kv_cache_manager / drafter: plugin names.
+    plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gib: float | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    scheduler: str = "fcfs"
+    sampler: str = "default"
+    kv_cache_manager: str = "paged"
+    drafter: str | None = None
+    trust_remote_code: bool = False
+    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive_int(name)
+        positive_int("max_model_len", allow_none=True)
+        positive_int("num_gpu_blocks_override", allow_none=True)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not isinstance(self.plugins, dict) or not all(isinstance(v, dict) for v in self.plugins.values()):
+            raise ValueError("plugins must map component names to option tables")
+
+    # -- resolved values -------------------------------------------------------------------------
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = _DTYPES[self.dtype]
+        if dtype is None:
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return dtype
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, config: str | os.PathLike | None = None, **overrides: Any) -> "EngineConfig":
+        """Defaults, then the config file (if any), then ``overrides`` (None values are ignored)."""
+        values: dict[str, Any] = load_config_file(config) if config is not None else {}
+        plugins = dict(values.pop("plugins", {}) or {})
+        for key, table in (overrides.pop("plugins", None) or {}).items():
+            plugins[key] = {**plugins.get(key, {}), **table}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(valid - {'plugins'})}")
+        return cls(**values, plugins=plugins)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) config file into a dict."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path!r} does not exist")
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python < 3.11
+            import tomli as tomllib
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    elif path.endswith((".yaml", ".yml")):
+        import yaml
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    else:
+        raise ValueError(f"config file {path!r}: use a .toml, .yaml or .yml file")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path!r} must hold a table/mapping at its top level")
+    return data
+
+
+def build_options(cls: type, name: str, table: dict[str, Any]) -> dict[str, Any]:
+    """Validate ``table`` against the component's ``Options`` dataclass; return keyword arguments."""
+    options_cls = getattr(cls, "Options", None)
+    if options_cls is None:
+        if table:
+            raise ValueError(f"plugin component {name!r} takes no options, got {sorted(table)}")
+        return {}
+    valid = [f.name for f in fields(options_cls)]
+    unknown = sorted(set(table) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {name!r}; valid options: {valid}")
+    return dataclasses.asdict(options_cls(**table))

@@ -1,0 +1,203 @@
+"""``LLMEngine``: the synchronous engine loop (schedule -> run -> update -> outputs)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvforge.builder import component, select_attention_backend, validate_plugin_tables
+from kvforge.config import EngineConfig
+from kvforge.model_loader import load_model, load_model_config, resolve_model_source
+from kvforge.model_runner import ModelRunner
+from kvforge.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvforge.plugin_manager import get_plugin_manager
+from kvforge.request import Request
+from kvforge.sampling_params import SamplingParams
+from kvforge.tokenizer import IncrementalDetokenizer
+from kvforge.tokenizer_source import tokenizer_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutputState:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+    delta: bool  # stream only what is new since the last output
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+class LLMEngine:
+    """Builds the components named by an :class:`EngineConfig` and runs requests to completion."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        pm = self.plugin_manager = get_plugin_manager()
+        validate_plugin_tables(pm, config)
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        torch.manual_seed(config.seed)
+
+        self.source = resolve_model_source(config.model, config.load_format)
+        mc = self.model_config = load_model_config(self.source)
+        self.tokenizer = tokenizer_for(config, self.source, mc)
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+
+        attn_cls = select_attention_backend(pm, config.attention_backend, device=self.device, dtype=self.dtype,
+                                            head_size=mc.head_dim, block_size=config.block_size)
+        attn = component(pm, "attention_backend", attn_cls.name, config, num_heads=mc.num_attention_heads,
+                         num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
+                         block_size=config.block_size, dtype=self.dtype, device=self.device)
+        model = load_model(self.source, mc, attn, self.dtype, self.device, seed=config.seed)
+        sampler = component(pm, "sampler", config.sampler, config, vocab_size=mc.vocab_size, device=self.device)
+        self.runner = ModelRunner(model, attn, sampler, num_layers=mc.num_hidden_layers,
+                                  vocab_size=mc.vocab_size, device=self.device)
+
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
+                             f"({mc.max_position_embeddings})")
+        max_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = self.runner.determine_num_blocks(
+            num_blocks_override=config.num_gpu_blocks_override, kv_cache_memory_gib=config.kv_cache_memory_gib,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=max_len)
+        capacity = num_blocks * config.block_size
+        if max_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={max_len} exceeds the KV cache capacity of {capacity} tokens "
+                                 f"({num_blocks} blocks of {config.block_size}); lower it or give the cache more memory")
+            logger.warning("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
+                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
+                                   max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)
+        self.attn_backend_name = attn_cls.name
+        self.num_blocks = num_blocks
+        self._states: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
+                    self.source.name, attn_cls.name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
+        pm.hook.engine_created(engine=self)
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids: expected a list of integers")
+                return text, list(ids)
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    priority: int = 0, stream_deltas: bool = False) -> Request:
+        """Validate and queue a request. Raises ``ValueError`` (naming the field) for bad input."""
+        params = params.clone() if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got one out of range")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens is longer than max_model_len={self.max_model_len} "
+                             f"allows (at most {self.max_model_len - 1}, leaving room for one output token)")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        room = self.max_model_len - len(ids)
+        params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
+        req = Request(request_id, ids, params, prompt=text, priority=priority,
+                      max_tokens=min(params.max_tokens or room, room))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.scheduler.add(req)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        self._states[request_id] = _OutputState(req, detok, RequestMetrics(arrival_time=time.time()), stream_deltas)
+        return req
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.abort(ids)
+        for rid in ids:
+            self._states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that got a token."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out, self.kv_cache)
+        updated = self.scheduler.update(sched_out, runner_out)
+        now = time.time()
+        outputs = []
+        for req in updated:
+            state = self._states.get(req.request_id)
+            if state is None:
+                continue
+            self.num_generation_tokens += 1
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self.num_prompt_tokens += req.num_prompt_tokens
+            m.last_token_time = now
+            if state.detokenizer is not None:
+                state.detokenizer.add(req.output_token_ids[-1:])
+            if req.finished:
+                m.finished_time = now
+                del self._states[req.request_id]
+            outputs.append(self._make_output(state))
+        return outputs
+
+    def _make_output(self, state: _OutputState) -> RequestOutput:
+        req = state.request
+        text = state.detokenizer.text if state.detokenizer is not None else ""
+        token_ids = req.output_token_ids
+        if state.delta:
+            text, token_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
+            state.sent_text += len(text)
+            state.sent_tokens += len(token_ids)
+        else:
+            token_ids = list(token_ids)
+        finish = req.status.value if req.finished else None
+        completion = CompletionOutput(0, text, token_ids, finish, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished,
+                             req.num_cached_tokens, state.metrics)
+
+    def get_stats(self) -> dict[str, Any]:
+        kv = self.kv_cache.stats()
+        sch = self.scheduler.stats()
+        return {"num_running": sch.num_running, "num_waiting": sch.num_waiting,
+                "num_preemptions": sch.num_preemptions, "kv_cache_usage": kv.usage,
+                "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
+                "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
+                "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens}

@@ -1,0 +1,135 @@
+"""Hook specifications: the whole surface a kvforge plugin can implement.
+
+A plugin is a module (or object) with functions decorated by ``@kvforge.hookimpl`` whose names
+match the specs below, made discoverable through the ``kvforge`` entry-point group::
+
+    # my_plugin.py
+    import kvforge
+
+    @kvforge.hookimpl
+    def register_attention_backends(register):
+        register("my_attn", "my_plugin.backend:MyBackend")
+
+    # pyproject.toml
+    [project.entry-points.kvforge]
+    my_plugin = "my_plugin"
+
+Registration hooks are called once per process, when the plugin manager is first used (worker
+processes call them again). They receive a ``register(name, target)`` callback, where ``target`` is
+the class itself or a lazy ``"package.module:Class"`` string that is imported only when the name is
+selected, so that discovery never imports CUDA code. Registering a name twice is an error that names
+both plugins. No hook is ever called on the hot path: components are resolved once, when an engine is
+built, and the engine then calls plain methods on them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT_NAME = "kvforge"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: ``register(name, target)``: ``target`` is a class or a lazy ``"module:Class"`` path.
+Register = Callable[[str, Any], None]
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register attention backends by name.
+
+    :param register: call ``register(name, target)`` once per backend; ``target`` is a subclass of
+        :class:`kvforge.attention.AttentionBackend` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads. The backend named by the engine's
+    ``attention_backend`` option (or picked by ``auto``) is imported and instantiated once per engine.
+    """
+
+
+@hookspec
+def register_schedulers(register: Register) -> None:
+    """Register schedulers by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.scheduler.Scheduler` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's ``scheduler`` option selects one.
+    """
+
+
+@hookspec
+def register_samplers(register: Register) -> None:
+    """Register samplers by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.sampler.Sampler` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's ``sampler`` option selects one.
+    """
+
+
+@hookspec
+def register_drafters(register: Register) -> None:
+    """Register speculative-decoding drafters by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.drafter.Drafter` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's ``drafter`` option selects one
+    (``None``, the default, disables speculative decoding).
+    """
+
+
+@hookspec
+def register_kv_cache_managers(register: Register) -> None:
+    """Register KV-cache managers by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.kv_cache.KVCacheManager` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's ``kv_cache_manager`` option
+    selects one.
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model implementations by Hugging Face architecture name.
+
+    :param register: call ``register(architecture, target)``, e.g.
+        ``register("LlamaForCausalLM", "kvforge.plugins.models.llama:LlamaForCausalLM")``; ``target`` is
+        an ``nn.Module`` class following :class:`kvforge.model.CausalLM`.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads. The architecture listed in the model's
+    ``config.json`` (or derived from GGUF metadata) selects the class.
+    """
+
+
+@hookspec
+def engine_created(engine: Any) -> None:
+    """Called once when an :class:`kvforge.engine.LLMEngine` has been fully built.
+
+    :param engine: the engine; plugins may read its config and components or attach observers.
+    :return: nothing; results are ignored.
+
+    Called in the process that drives the engine, before the first request is added.
+    """
+
+
+@hookspec
+def server_app_created(app: Any) -> None:
+    """Called once when the OpenAI-compatible server's FastAPI app has been built.
+
+    :param app: the ``fastapi.FastAPI`` instance; a plugin may add routes or middleware.
+    :return: nothing; results are ignored.
+
+    Called in the server process, before it starts accepting connections.
+    """

@@ -1,0 +1,101 @@
+"""The KV-cache manager contract: which physical blocks hold each request's keys and values.
+
+The manager is bookkeeping only; the cache tensors belong to the model runner. A block holds
+``block_size`` consecutive tokens of one sequence; a request's block table maps its logical block
+``i`` (tokens ``i*block_size .. (i+1)*block_size-1``) to a physical block id.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+from kvforge.request import Request
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int  # allocatable now (never used, or cached with no owner)
+    num_used_blocks: int  # held by at least one request
+    num_cached_blocks: int  # blocks with a prefix-cache hash (owned or not)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
+    num_cow_copies: int = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 .. 1.0)."""
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def hash_block(parent: Hashable | None, tokens: Sequence[int], extra: Hashable | None = None) -> int:
+    """Chained block hash: depends on every token before the block through ``parent``."""
+    return hash((parent, tuple(tokens), extra))
+
+
+class KVCacheManager(ABC):
+    """Allocates blocks on demand and frees them at once; shares them by prefix hash and by fork.
+
+    Call order for one request: ``get_computed_blocks`` (first schedule only) ->
+    ``allocate_slots`` each step it runs -> ``free`` when it finishes, is aborted or preempted.
+    """
+
+    name: str = ""
+
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, **options: Any):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @abstractmethod
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks holding a prefix of ``request``'s tokens, and how many tokens they cover.
+
+        Takes nothing: the blocks are claimed by the next ``allocate_slots`` call. At least one
+        token is always left to compute, so the step still produces logits.
+        """
+
+    @abstractmethod
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
+
+        ``computed_blocks`` (from ``get_computed_blocks``) are claimed first and count as computed.
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """Release every block of the request; cached blocks stay reusable until evicted."""
+
+    @abstractmethod
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's blocks by reference; a later write copies (copy-on-write)."""
+
+    @abstractmethod
+    def block_table(self, request_id: str) -> list[int]:
+        """Physical block ids of the request, in logical order."""
+
+    @abstractmethod
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending (src, dst) block copies from copy-on-write, to run before the next forward."""
+
+    @abstractmethod
+    def stats(self) -> KVCacheStats:
+        """Current usage and prefix-cache counters."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash that no request holds; returns True on success."""
+        return False
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.stats().num_free_blocks

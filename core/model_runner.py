@@ -1,0 +1,154 @@
+"""``ModelRunner``: lays out one step's batch, runs the model and the sampler, sizes the KV cache."""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from kvforge.attention import AttentionBackend, BatchLayout
+from kvforge.kv_cache import KVCacheManager
+from kvforge.sampler import Sampler
+from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class ModelRunner:
+    """Owns the model, the attention backend, the sampler and the per-layer KV-cache tensors."""
+
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, sampler: Sampler, *,
+                 num_layers: int, vocab_size: int, device: torch.device):
+        self.model = model
+        self.attn = attn
+        self.sampler = sampler
+        self.num_layers = num_layers
+        self.vocab_size = vocab_size
+        self.device = device
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = attn.block_size
+
+    # -- KV cache sizing -------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        shape = self.attn.kv_cache_shape(1)
+        return math.prod(shape) * self.attn.dtype.itemsize * self.num_layers
+
+    def determine_num_blocks(self, *, num_blocks_override: int | None, kv_cache_memory_gib: float | None,
+                             gpu_memory_utilization: float, max_num_batched_tokens: int,
+                             max_num_seqs: int, max_model_len: int) -> int:
+        """KV blocks to allocate: an override; a memory budget; or, on CUDA, what a profiled peak
+        forward leaves of ``gpu_memory_utilization`` times the device memory."""
+        per_block = self.bytes_per_block()
+        if num_blocks_override is not None:
+            return num_blocks_override
+        if kv_cache_memory_gib is not None:
+            return max(1, int(kv_cache_memory_gib * GiB) // per_block)
+        if self.device.type != "cuda":
+            # CPU default: enough for every sequence at full length, capped at 4 GiB.
+            want = max_num_seqs * -(-max_model_len // self.block_size)
+            return max(1, min(want, (4 * GiB) // per_block))
+        peak = self.profile_peak_memory(max_num_batched_tokens, max_num_seqs, max_model_len)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = total * gpu_memory_utilization - peak - max(non_torch, 0)
+        num_blocks = int(budget // per_block)
+        logger.info("KV cache: peak forward %.2f GiB, non-torch %.2f GiB, %.2f GiB of %.2f GiB for %d blocks",
+                    peak / GiB, non_torch / GiB, max(budget, 0) / GiB, total / GiB, num_blocks)
+        if num_blocks < 1:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache "
+                f"(model and peak activations take {peak / GiB:.2f} GiB of {total / GiB:.2f} GiB)")
+        return num_blocks
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Peak bytes allocated by one forward of a full token budget plus sampling of a full batch."""
+        bs = self.block_size
+        seq_len = min(max_num_batched_tokens, max_model_len)
+        num_seqs = -(-max_num_batched_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // bs)
+        caches = self.attn.allocate_kv_cache(num_seqs * blocks_per_seq, self.num_layers)
+        cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        lens = [seq_len] * (num_seqs - 1) + [max_num_batched_tokens - seq_len * (num_seqs - 1)]
+        layout = _prefill_layout(lens, blocks_per_seq, bs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = self.attn.build_metadata(layout)
+        n = layout.num_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(np.concatenate([np.arange(x) for x in lens])).to(self.device)
+        hidden = self.model(ids, pos, caches, meta)
+        rows = min(max_num_seqs, n)
+        logits = self.model.compute_logits(hidden[:rows]).float()
+        torch.softmax(logits, dim=-1).sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        del caches, hidden, logits, meta
+        torch.cuda.empty_cache()
+        return peak
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers)
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        self.sampler.release(out.finished_request_ids)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        self.attn.copy_blocks(self.kv_caches, out.blocks_to_copy)
+        layout, input_ids, positions, sample_rows, sample_reqs = self._layout(out, kv)
+        meta = self.attn.build_metadata(layout)
+        dev = self.device
+        ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not sample_rows:
+            return ModelRunnerOutput()
+        rows = torch.tensor(sample_rows, device=dev)
+        logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
+        tokens = self.sampler.sample(logits, self.sampler.prepare(sample_reqs)).tolist()
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(sample_reqs, tokens)})
+
+    def _layout(self, out: SchedulerOutput, kv: KVCacheManager):
+        reqs = out.scheduled
+        bs = self.block_size
+        q_lens = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], dtype=np.int32)
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        slot_mapping = np.empty(total, dtype=np.int64)
+        seq_lens = np.empty(len(reqs), dtype=np.int32)
+        tables = [kv.block_table(r.request_id) for r in reqs]
+        block_tables = np.zeros((len(reqs), max(len(t) for t in tables)), dtype=np.int32)
+        sample_rows, sample_reqs = [], []
+        for i, (r, table) in enumerate(zip(reqs, tables)):
+            start, q = r.num_computed_tokens, int(q_lens[i])
+            off = int(query_start_loc[i])
+            end = start + q
+            input_ids[off:off + q] = r.tokens(start, end)
+            pos = np.arange(start, end, dtype=np.int64)
+            positions[off:off + q] = pos
+            block_tables[i, :len(table)] = table
+            slot_mapping[off:off + q] = block_tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+            seq_lens[i] = end
+            if end >= r.num_tokens:  # the step reaches the request's last known token: sample
+                sample_rows.append(off + q - 1)
+                sample_reqs.append(r)
+        layout = BatchLayout(query_start_loc, seq_lens, block_tables, slot_mapping)
+        return layout, input_ids, positions, sample_rows, sample_reqs
+
+
+def _prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayout:
+    """Layout of fresh prefills, sequence i owning blocks [i*blocks_per_seq, (i+1)*blocks_per_seq)."""
+    qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    tables = np.arange(len(lens) * blocks_per_seq, dtype=np.int32).reshape(len(lens), blocks_per_seq)
+    slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
+                            for i, n in enumerate(lens)])
+    return BatchLayout(qsl, np.array(lens, dtype=np.int32), tables, slots)

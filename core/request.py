@@ -1,0 +1,88 @@
+"""The engine's state for one request: its tokens, progress and status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvforge.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV blocks freed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    NOTE: ``num_computed_tokens`` counts tokens whose K/V are in the cache; the tokens still to run
+    are ``all_token_ids[num_computed_tokens:]`` (the whole prompt at first, one token per decode step,
+    everything again after a preemption by recompute).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    max_tokens: int = 16  # resolved by the engine from sampling_params and max_model_len
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop(self) -> bool:
+        """After a token was appended: set the finished status if a stop condition holds."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last in params._eos_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif params.stop_token_ids and last in params.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+        else:
+            return False
+        return True

@@ -1,0 +1,144 @@
+"""The scheduler contract: which requests run in the next step, and how many tokens each.
+
+One token budget per step (``max_num_batched_tokens``) covers prompt chunks and decode tokens
+alike; there are no separate prefill and decode phases. The base class keeps the queues and does
+the bookkeeping shared by every policy (``add``, ``abort``, ``update``); a policy implements
+``schedule``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from kvforge.kv_cache import KVCacheManager
+from kvforge.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in the order the runner lays it out."""
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)  # ended since the last step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward produced: one sampled token per request whose step completed its tokens."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # total since start
+
+
+class Scheduler(ABC):
+    """Queues requests, builds each step's batch within the token and sequence budgets."""
+
+    name: str = ""
+
+    def __init__(self, *, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, **options: Any):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+
+    # -- queue management (shared) ---------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """End the given requests now and free their blocks; unknown ids are ignored."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finish(req)
+            aborted.append(req)
+        return aborted
+
+    def _finish(self, req: Request) -> None:
+        self.kv_cache.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.add(req.request_id)
+
+    def preempt(self, req: Request) -> None:
+        """Free the request's blocks and put it back at the head of the queue (recompute later)."""
+        self.kv_cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled requests by the step's result; returns those that got a token.
+
+        Finished requests leave the running list and free their blocks here.
+        """
+        sampled = runner_output.sampled_token_ids
+        updated = []
+        for req in output.scheduled:
+            if req.finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            updated.append(req)
+            if req.check_stop():
+                self.running.remove(req)
+                self._finish(req)
+        return updated
+
+    def take_finished_ids(self) -> set[str]:
+        ids, self._finished_ids = self._finished_ids, set()
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
+
+    # -- policy ----------------------------------------------------------------------------------
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next step's requests and token counts, allocating their KV slots."""

@@ -1,0 +1,83 @@
+"""``torch``: the reference paged attention backend, built from PyTorch ops (CPU and CUDA).
+
+Decode tokens (sequences with one query token) are batched into one SDPA call over keys gathered
+through their block tables; every prefill chunk is one SDPA call over its cached prefix plus its new
+tokens. Correctness first: the GPU backends are measured against this one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    capabilities = AttentionCapabilities(
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        supports_cuda_graphs=False,
+    )
+
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        meta = super().build_metadata(layout)
+        query_lens = layout.query_lens
+        decode = np.nonzero(query_lens == 1)[0]
+        prefill = np.nonzero(query_lens > 1)[0]
+        bs = self.block_size
+        if len(decode):
+            dec_max_blocks = int(-(-layout.seq_lens[decode].max() // bs))
+            dev = self.device
+            meta.extra["decode"] = (
+                torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(dev),  # token index
+                torch.from_numpy(np.ascontiguousarray(layout.block_tables[decode, :dec_max_blocks])).to(dev),
+                torch.from_numpy(layout.seq_lens[decode].astype(np.int64)).to(dev),
+                dec_max_blocks * bs,
+            )
+        # (token start, token end, context length, block ids) per prefill chunk, all host ints
+        meta.extra["prefill"] = [
+            (int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1]), int(layout.seq_lens[i]),
+             meta.block_tables[i, : -(-int(layout.seq_lens[i]) // bs)])
+            for i in prefill
+        ]
+        return meta
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        num_tokens = meta.num_tokens
+        q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
+        hkv, d = self.num_kv_heads, self.head_size
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:num_tokens], k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:num_tokens], v)
+        out = torch.empty_like(q)
+        gqa = self.num_heads != hkv
+
+        decode = meta.extra.get("decode")
+        if decode is not None:
+            tok_idx, tables, lens, max_len = decode
+            n = tables.shape[0]
+            # keys: [n, kv_heads, max_len, head_size]
+            keys = k_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2)
+            vals = v_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2)
+            mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+            qd = q[tok_idx].unsqueeze(2)  # [n, heads, 1, head_size]
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[tok_idx] = o.squeeze(2)
+
+        for start, end, ctx_len, blocks in meta.extra["prefill"]:
+            q_len = end - start
+            keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
+            vals = v_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)
+            qp = q[start:end].transpose(0, 1)  # [heads, q_len, d]
+            if ctx_len == q_len:
+                o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            else:
+                # query i sits at absolute position ctx_len - q_len + i and sees keys 0..that position
+                qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+                mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[start:end] = o.transpose(0, 1)
+        return out

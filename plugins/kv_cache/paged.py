@@ -1,0 +1,192 @@
+"""``paged``: block pool with on-demand allocation, prefix caching, reference counts and copy-on-write.
+
+Free blocks wait in one LRU queue (an ordered dict): blocks that hold no cached prefix sit at the
+front and are reused first; blocks with a prefix hash join the back when their last owner lets go,
+so the least recently used cached block is evicted first. Taking a cached block out of the queue
+(a prefix hit) makes it live again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvforge.kv_cache import KVCacheManager, KVCacheStats, hash_block
+from kvforge.request import Request
+
+
+@dataclass(slots=True)
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    # NOTE: the collision guard: a hit must match the block's own tokens and its parent block id.
+    tokens: tuple[int, ...] | None = None
+    parent: int | None = None
+
+
+class PagedKVCacheManager(KVCacheManager):
+    name = "paged"
+
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        super().__init__(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.tables: dict[str, list[int]] = {}
+        self.num_hashed: dict[str, int] = {}  # request -> how many of its leading blocks are hashed
+        self.hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
+        self.copies: list[tuple[int, int]] = []
+        self.queries = self.hits = self.cow_copies = 0
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs  # leave at least one token to compute
+        found: list[int] = []
+        parent_hash, parent_id = None, None
+        extra = getattr(request, "cache_salt", None)
+        for i in range(max_blocks):
+            tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
+            h = hash_block(parent_hash, tokens, extra)
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.tokens != tokens or block.parent != parent_id:
+                break  # hash collision: not the same prefix
+            found.append(block_id)
+            parent_hash, parent_id = h, block_id
+        return found, len(found) * bs
+
+    def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
+        """Give every newly full block of the request its chained hash."""
+        bs = self.block_size
+        rid = request.request_id
+        hashes = self.hashes.setdefault(rid, [])
+        start = self.num_hashed.get(rid, 0)
+        extra = getattr(request, "cache_salt", None)
+        for i in range(start, num_tokens // bs):
+            tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
+            parent_hash = hashes[i - 1] if i else None
+            h = hash_block(parent_hash, tokens, extra)
+            hashes.append(h)
+            block = self.blocks[table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.tokens = h, tokens
+                block.parent = table[i - 1] if i else None
+                self.cached[h] = block.block_id
+        self.num_hashed[rid] = max(start, num_tokens // bs)
+
+    def _evict(self, block: _Block) -> None:
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block.block_id:
+                del self.cached[block.hash]
+            block.hash = block.tokens = block.parent = None
+
+    # -- allocation ------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        rid = request.request_id
+        bs = self.block_size
+        table = self.tables.get(rid)
+        first = table is None
+        table = [] if first else table
+        num_computed = len(computed_blocks) * bs if computed_blocks else request.num_computed_tokens
+        total = num_computed + num_new_tokens
+        reviving = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        need = -(-total // bs) - len(table) - len(computed_blocks)
+        cow = self._needs_cow(table, num_computed) and num_new_tokens > 0
+        if need + cow + reviving > len(self.free_queue):
+            return False
+        for b in computed_blocks:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.free_queue[b]
+            block.ref_count += 1
+            table.append(b)
+        if cow:
+            self._copy_on_write(table, num_computed)
+        for _ in range(max(need, 0)):
+            table.append(self._pop_free())
+        self.tables[rid] = table
+        if first:
+            self.queries += request.num_tokens
+            self.hits += len(computed_blocks) * bs
+            if computed_blocks:
+                self.num_hashed[rid] = 0
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, table, min(total, request.num_tokens))
+        return True
+
+    def _needs_cow(self, table: list[int], num_computed: int) -> bool:
+        idx = num_computed // self.block_size
+        return num_computed % self.block_size != 0 and idx < len(table) and self.blocks[table[idx]].ref_count > 1
+
+    def _copy_on_write(self, table: list[int], num_computed: int) -> None:
+        idx = num_computed // self.block_size
+        src = table[idx]
+        dst = self._pop_free()
+        self.blocks[src].ref_count -= 1
+        table[idx] = dst
+        self.copies.append((src, dst))
+        self.cow_copies += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        self._evict(block)
+        block.ref_count = 1
+        return block_id
+
+    def free(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
+        self.num_hashed.pop(request_id, None)
+        self.hashes.pop(request_id, None)
+        if table is None:
+            return
+        # NOTE: tail blocks first, so a prefix's head outlives its tail in the LRU.
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if parent_id not in self.tables:
+            raise ValueError(f"cannot fork unknown request {parent_id!r}")
+        if child_id in self.tables:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        table = list(self.tables[parent_id])
+        for b in table:
+            self.blocks[b].ref_count += 1
+        self.tables[child_id] = table
+        self.hashes[child_id] = list(self.hashes.get(parent_id, []))
+        self.num_hashed[child_id] = self.num_hashed.get(parent_id, 0)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
+    def stats(self) -> KVCacheStats:
+        free = len(self.free_queue)
+        return KVCacheStats(
+            num_blocks=self.num_blocks, num_free_blocks=free, num_used_blocks=self.num_blocks - free,
+            num_cached_blocks=len(self.cached), prefix_cache_queries=self.queries,
+            prefix_cache_hits=self.hits, num_cow_copies=self.cow_copies)
+
+    def reset_prefix_cache(self) -> bool:
+        if any(self.tables.values()):
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True

@@ -1,0 +1,241 @@
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat varlen batch and a paged KV cache.
+
+The numerics follow Hugging Face's implementation (RMSNorm in float32, neox-style RoPE from a float32
+cos/sin cache, residual adds in the model dtype) so that logits match ``transformers`` to float noise.
+Q/K/V and gate/up projections are fused; :data:`STACKED_PARAMS` tells :meth:`LlamaForCausalLM.load_weights`
+where each checkpoint tensor goes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.attention import AttentionBackend, AttentionMetadata
+from kvforge.model_config import ModelConfig
+
+#: checkpoint module name -> (fused module name, shard id)
+STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+#: checkpoint tensors that hold nothing we need (recomputed buffers)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]; normalized in float32, cast back before the weight multiply (as HF does)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32, with the config's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    rope_type = rs["rope_type"] if rs else "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rs["factor"]
+    if rope_type == "freq_factors":  # GGUF rope_freqs tensor: llama.cpp divides each frequency by it
+        return inv_freq / torch.tensor(rs["factors"], dtype=torch.float32)
+    if rope_type == "llama3":  # HF's _compute_llama3_parameters
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_ctx = rs.get("original_max_position_embeddings", config.max_position_embeddings)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"model config field 'rope_scaling' has rope_type {rope_type!r}; supported: "
+                     "default, linear, llama3, freq_factors")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate_half) from a float32 cos/sin cache indexed by absolute position."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq = rope_inv_freq(config)  # [head_dim // 2]
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attn: AttentionBackend, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn = attn  # shared by all layers; not a module
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # rows: q [q_size] | k [kv_size] | v [kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def shard_range(self, shard: str | int) -> tuple[int, int]:
+        """(row offset, rows) of a q/k/v shard inside qkv_proj."""
+        return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                "v": (self.q_size + self.kv_size, self.kv_size)}[shard]  # type: ignore[index]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = self.attn.forward(q, k, v, kv_cache, meta)  # [T, heads, head_dim]
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # rows: gate [intermediate] | up [intermediate]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_range(self, shard: str | int) -> tuple[int, int]:
+        return int(shard) * self.intermediate_size, self.intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn: AttentionBackend, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attn: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, self.rotary_emb, kv_caches[i], attn_meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model plugin for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+
+    def __init__(self, config: ModelConfig, attn: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn)
+        # tied: logits use embed_tokens.weight and the checkpoint's lm_head.weight (if any) is skipped
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 (flat varlen batch) -> hidden [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused) parameters; ValueError on an unknown name,
+        a shape mismatch, or parameters left unfilled."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[tuple[str, str | int | None]] = set()
+        for name, w in weights:
+            if name.endswith(IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module_name = module_path.rpartition(".")
+            if module_name in STACKED_PARAMS:
+                fused, shard = STACKED_PARAMS[module_name]
+                pname = f"{parent}.{fused}.{leaf}"
+                owner = modules.get(parent)
+                if pname not in params or owner is None:
+                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
+                offset, rows = owner.shard_range(shard)
+                target = params[pname].narrow(0, offset, rows)
+                key: tuple[str, str | int | None] = (pname, shard)
+            elif name in params:
+                target, key = params[name], (name, None)
+            else:
+                raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
+            if tuple(w.shape) != tuple(target.shape):
+                raise ValueError(f"checkpoint weight {name!r} has shape {tuple(w.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(w)
+            loaded.add(key)
+        missing = [f"{n}[{s}]" if s is not None else n
+                   for n, s in self._expected_keys() if (n, s) not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {', '.join(missing[:20])}"
+                             + (" ..." if len(missing) > 20 else ""))
+
+    def _expected_keys(self) -> list[tuple[str, str | int | None]]:
+        keys: list[tuple[str, str | int | None]] = []
+        for name, _ in self.named_parameters():
+            fused = name.rsplit(".", 2)[-2]
+            shards = [s for f, s in STACKED_PARAMS.values() if f == fused]
+            if shards:
+                keys.extend((name, s) for s in shards)
+            else:
+                keys.append((name, None))
+        return keys

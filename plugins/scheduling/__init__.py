@@ -1,0 +1,7 @@
+"""Built-in schedulers."""
+from kvforge.hookspecs import hookimpl
+
+
+@hookimpl
+def register_schedulers(register):
+    register("fcfs", "kvforge.plugins.scheduling.fcfs:FCFSScheduler")

@@ -1,0 +1,96 @@
+"""``fcfs``: first come, first served continuous batching with chunked prefill.
+
+Each step: running requests first, in arrival order (each takes what it still needs: one decode
+token or the next prompt chunk), then waiting requests while the token budget, ``max_num_seqs``
+and free blocks allow. When a running request cannot get a block, the newest running request is
+preempted by recompute (its blocks freed, its tokens recomputed later, prefix cache permitting);
+no new request is admitted in a step that preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.request import Request, RequestStatus
+from kvforge.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class FCFSOptions:
+    #: most prompt tokens one request may take from a step's budget (0: no cap beyond the budget)
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, "
+                             f"got {self.long_prefill_token_threshold!r}")
+
+
+class FCFSScheduler(Scheduler):
+    name = "fcfs"
+    Options = FCFSOptions
+
+    def __init__(self, *, long_prefill_token_threshold: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return n
+
+    def pick_victim(self) -> Request:
+        """The running request to preempt when blocks run out: the newest."""
+        return self.running[-1]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self.take_finished_ids())
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._chunk(req, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(req, num_new):
+                victim = self.pick_victim()
+                self.running.remove(victim)
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(req)
+                out.num_scheduled_tokens[req.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            # req itself was preempted: the requests after it are gone too (they were newer)
+            break
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                computed, num_cached = [], 0
+                if req.num_computed_tokens == 0:
+                    computed, num_cached = kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - num_cached - req.num_computed_tokens, budget)
+                if self.long_prefill_token_threshold:
+                    num_new = min(num_new, self.long_prefill_token_threshold)
+                if not kv.allocate_slots(req, num_new, computed):
+                    break
+                self.waiting.popleft()
+                if req.status == RequestStatus.WAITING:
+                    req.num_cached_tokens = num_cached
+                req.num_computed_tokens += num_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(req)
+                out.num_scheduled_tokens[req.request_id] = num_new
+                budget -= num_new
+
+        out.blocks_to_copy = kv.take_copies()
+        return out

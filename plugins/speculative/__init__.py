@@ -1,0 +1,1 @@
+"""Built-in speculative drafters (none yet: the ``Drafter`` contract lives in ``kvforge.drafter``)."""

@@ -1,0 +1,67 @@
+"""Shared fixtures: the default model, a tiny random Llama, and the installed dummy plugin package."""
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(__file__)
+DUMMY_PLUGIN_DIR = os.path.join(HERE, "plugins", "dummy_plugin")
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine with -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from kvforge.model_loader import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def dummy_plugin_installed():
+    """The third-party dummy plugin package, installed into this environment (once)."""
+    try:
+        md.distribution("kvforge-dummy-plugin")
+    except md.PackageNotFoundError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "-e", DUMMY_PLUGIN_DIR], check=True)
+        import importlib
+        import site
+        import sysconfig
+        # pick up the new editable install's .pth in this already-running interpreter
+        site.addsitedir(sysconfig.get_paths()["purelib"])
+        importlib.invalidate_caches()
+    from kvforge.plugin_manager import reset_plugin_manager
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    """A tiny random Llama (2 layers, hidden 64) with the default model's tokenizer."""
+    from kvforge import LLM
+    return LLM("dummy:tiny", max_model_len=512, num_gpu_blocks_override=256, device="cpu")
+
+
+def assert_no_blocks_held(engine):
+    stats = engine.kv_cache.stats()
+    assert stats.num_used_blocks == 0, stats
+    blocks = getattr(engine.kv_cache, "blocks", [])
+    assert all(b.ref_count == 0 for b in blocks)
+
+
+@pytest.fixture
+def check_no_blocks():
+    return assert_no_blocks_held

@@ -1,0 +1,98 @@
+"""End-to-end truth: greedy tokens equal transformers `generate` on the same default-model weights."""
+import os
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+
+MAX_TOKENS = 32
+SHARED = ("You are a careful assistant. Answer the question about the history of European cities "
+          "in one sentence, and mention the century in which each city was founded if you know it. ")
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hello, my name is",
+    SHARED + "Question: when was Paris founded?",
+    "1, 2, 3, 4, 5,",
+    SHARED + "Question: tell me about Rome.",
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every "
+    "morning walked down to the harbour to look at the boats, count the gulls on the pier, and talk "
+    "with the other fishermen about the weather, the price of fish at the market, and the stories of "
+    "storms that their fathers and grandfathers used to tell on long winter evenings. One day he saw",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_model_path):
+    """Greedy continuations from transformers, one prompt at a time (no padding involved)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = os.path.split(default_model_path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()
+    refs = {}
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2,
+                                 pad_token_id=2)
+        refs[p] = out[0, ids.shape[1]:].tolist()
+    return refs
+
+
+def _check(llm, refs, check_no_blocks):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    for o in outs:
+        assert o.outputs[0].token_ids == refs[o.prompt], o.prompt
+        finish = "stop" if refs[o.prompt][-1] == 2 and len(refs[o.prompt]) < MAX_TOKENS else "length"
+        assert o.outputs[0].finish_reason == finish
+    check_no_blocks(llm.llm_engine)
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=32),
+    dict(num_gpu_blocks_override=14, max_num_batched_tokens=64),
+], ids=["default", "no-prefix-cache", "chunked-32", "tiny-pool-preempt"])
+def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args):
+    llm = LLM(device="cpu", **engine_args)
+    _check(llm, hf_reference, check_no_blocks)
+    stats = llm.llm_engine.get_stats()
+    if "num_gpu_blocks_override" in engine_args:
+        assert stats["num_preemptions"] > 0
+    if engine_args.get("enable_prefix_caching", True) and "num_gpu_blocks_override" not in engine_args:
+        # two prompts share a 26-token prefix (one full block)... and a later rerun hits everything
+        outs = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == hf_reference[PROMPTS[3]]
+        assert outs[0].num_cached_tokens >= 16
+    if "max_num_batched_tokens" in engine_args and "num_gpu_blocks_override" not in engine_args:
+        assert max(len(llm.get_tokenizer().encode(p)) for p in PROMPTS) > 32  # chunking really happened
+
+
+@pytest.mark.slow
+def test_shared_64_token_prefix_hits_cache(hf_reference, default_model_path, check_no_blocks):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(device="cpu")
+    tok = llm.get_tokenizer()
+    first = tok.encode(PROMPTS[7])
+    assert len(first) >= 64
+    second = first[:64] + tok.encode(" a whale jumping out of the water and")
+    llm.generate([first], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    before = llm.llm_engine.get_stats()["prefix_cache_hits"]
+    out = llm.generate([second], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] - before == 64
+    assert out.num_cached_tokens == 64
+    d, name = os.path.split(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([second]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=2, pad_token_id=2)[0, len(second):].tolist()
+    assert out.outputs[0].token_ids == ref
+    check_no_blocks(llm.llm_engine)

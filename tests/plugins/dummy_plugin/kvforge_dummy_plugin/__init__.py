@@ -1,0 +1,12 @@
+"""A third-party plugin: registers an attention backend and a scheduler through the entry point."""
+import kvforge
+
+
+@kvforge.hookimpl
+def register_attention_backends(register):
+    register("dummy_attn", "kvforge_dummy_plugin.components:CountingAttention")
+
+
+@kvforge.hookimpl
+def register_schedulers(register):
+    register("dummy_sched", "kvforge_dummy_plugin.components:CountingScheduler")
