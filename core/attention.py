@@ -88,7 +88,7 @@ class AttentionBackend(ABC):
         self.device = torch.device(device)
 
     @classmethod
-    def is_available(cls) -> list[str]:
+    def unavailable_reasons(cls) -> list[str]:
         """Reasons this backend cannot be used in this process (missing library...); empty if usable."""
         return []
 
@@ -98,7 +98,7 @@ class AttentionBackend(ABC):
         """Every reason this backend refuses the given setup; an empty list means it accepts."""
         caps = cls.capabilities
         device = torch.device(device)
-        reasons = list(cls.is_available())
+        reasons = list(cls.unavailable_reasons())
         if device.type not in caps.devices:
             reasons.append(f"device {device.type} not in {caps.devices}")
         if dtype not in caps.dtypes:
@@ -154,6 +154,10 @@ class AttentionBackend(ABC):
         q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
         Each query token attends causally to its sequence's cached prefix and the new tokens before it.
         Returns [num_tokens, num_heads, head_size] in q's dtype.
+
+        NOTE: all of the step's new K/V must be in the cache before any token reads it: a sequence
+        admitted in the same step may reuse (through the prefix cache) a block another sequence of
+        the batch is filling in this very step.
         """
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:

@@ -16,7 +16,7 @@ ATTENTION_PREFERENCE = {"cuda": ["flashinfer", "flash_attn", "triton", "torch"],
 
 #: config field naming the selected component of each kind
 SELECTING_FIELD = {"attention_backend": "attention_backend", "scheduler": "scheduler", "sampler": "sampler",
-                   "kv_cache_manager": "kv_cache_manager", "drafter": "drafter"}
+                   "kv_cache_manager": "kv_cache_manager"}
 
 
 def validate_plugin_tables(pm: PluginManager, config: EngineConfig) -> None:
@@ -39,14 +39,14 @@ def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **k
 
 
 def select_attention_backend(pm: PluginManager, name: str, *, device: torch.device, dtype: torch.dtype,
-                             head_size: int, block_size: int) -> type:
-    """The backend class for ``name``; ``auto`` picks the best one that accepts this setup."""
+                             head_size: int, block_size: int) -> tuple[str, type]:
+    """The backend (name, class) for ``name``; ``auto`` picks the best one that accepts this setup."""
     if name != "auto":
         cls = pm.get("attention_backend", name)
         reasons = cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
         if reasons:
             raise ValueError(f"attention_backend {name!r} cannot be used: {'; '.join(reasons)}")
-        return cls
+        return name, cls
     registered = pm.names("attention_backend")
     order = [n for n in ATTENTION_PREFERENCE.get(device.type, ["torch"]) if n in registered]
     refused = []
@@ -60,7 +60,7 @@ def select_attention_backend(pm: PluginManager, name: str, *, device: torch.devi
         if not reasons:
             logger.info("attention backend: %s (auto)%s", candidate,
                         f"; refused: {' | '.join(refused)}" if refused else "")
-            return cls
+            return candidate, cls
         refused.append(f"{candidate}: {'; '.join(reasons)}")
     raise ValueError(f"no attention backend accepts device={device.type} dtype={dtype} head_size={head_size} "
                      f"block_size={block_size}: {' | '.join(refused) or 'none registered'}")

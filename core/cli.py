@@ -11,7 +11,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--model", dict(default=None, help="HF directory, .gguf file, hub id or dummy:<preset> (default: SmolLM2-135M)")),
     ("--config", dict(default=None, help="TOML/YAML file of engine options and [plugins.<name>] tables")),
     ("--tokenizer", dict(default=None)),
-    ("--load-format", dict(default=None, choices=["auto", "dummy"])),
+    ("--load-format", dict(default=None, choices=["auto", "safetensors", "gguf", "dummy"])),
     ("--dtype", dict(default=None, choices=["auto", "float32", "float16", "bfloat16", "half", "float"])),
     ("--device", dict(default=None, help="auto, cpu or cuda[:N]")),
     ("--seed", dict(type=int, default=None)),
@@ -89,12 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list discovered plugins as JSON")
     plugins.set_defaults(func=cmd_plugins)
 
-    try:  # the server registers its own subcommand when its dependencies are installed
-        from kvforge.server.cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
+    # More subcommands (``serve``, ``bench``) come from the ``kvforge.cli`` entry-point group, so that
+    # core never imports the server: each entry point is a function taking the subparsers object.
+    import importlib.metadata as md
+    for ep in md.entry_points(group="kvforge.cli"):
+        try:
+            ep.load()(sub)
+        except ImportError as exc:  # e.g. the server's optional dependencies are not installed
+            logging.getLogger(__name__).debug("kvforge subcommand %s unavailable: %r", ep.name, exc)
     return parser
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -43,7 +44,7 @@ class EngineConfig:
     max_num_seqs: most requests running in one step.
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
-    attention_backend / scheduler / sampler / kv_cache_manager / drafter: plugin names.
+    attention_backend / scheduler / sampler / kv_cache_manager: plugin names.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -65,7 +66,6 @@ class EngineConfig:
     scheduler: str = "fcfs"
     sampler: str = "default"
     kv_cache_manager: str = "paged"
-    drafter: str | None = None
     trust_remote_code: bool = False
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -83,13 +83,21 @@ class EngineConfig:
         positive_int("num_gpu_blocks_override", allow_none=True)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+        if self.kv_cache_memory_gib is not None and (not number(self.kv_cache_memory_gib)
+                                                     or not self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.plugins, dict) or not all(isinstance(v, dict) for v in self.plugins.values()):
             raise ValueError("plugins must map component names to option tables")

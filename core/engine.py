@@ -48,9 +48,9 @@ class LLMEngine:
         self.tokenizer = tokenizer_for(config, self.source, mc)
         self.eos_token_ids = tuple(mc.eos_token_ids)
 
-        attn_cls = select_attention_backend(pm, config.attention_backend, device=self.device, dtype=self.dtype,
+        attn_name, attn_cls = select_attention_backend(pm, config.attention_backend, device=self.device, dtype=self.dtype,
                                             head_size=mc.head_dim, block_size=config.block_size)
-        attn = component(pm, "attention_backend", attn_cls.name, config, num_heads=mc.num_attention_heads,
+        attn = component(pm, "attention_backend", attn_name, config, num_heads=mc.num_attention_heads,
                          num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
                          block_size=config.block_size, dtype=self.dtype, device=self.device)
         model = load_model(self.source, mc, attn, self.dtype, self.device, seed=config.seed)
@@ -81,13 +81,13 @@ class LLMEngine:
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)
-        self.attn_backend_name = attn_cls.name
+        self.attn_backend_name = attn_name
         self.num_blocks = num_blocks
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
-                    self.source.name, attn_cls.name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
+                    self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
         pm.hook.engine_created(engine=self)
 
     # -- requests --------------------------------------------------------------------------------
@@ -117,9 +117,9 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     priority: int = 0, stream_deltas: bool = False) -> Request:
         """Validate and queue a request. Raises ``ValueError`` (naming the field) for bad input."""
-        params = params.clone() if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        params = params.clone() if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
@@ -172,6 +172,8 @@ class LLMEngine:
             m.last_token_time = now
             if state.detokenizer is not None:
                 state.detokenizer.add(req.output_token_ids[-1:])
+                if req.finished:
+                    state.detokenizer.flush()
             if req.finished:
                 m.finished_time = now
                 del self._states[req.request_id]

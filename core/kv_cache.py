@@ -19,7 +19,7 @@ class KVCacheStats:
     num_free_blocks: int  # allocatable now (never used, or cached with no owner)
     num_used_blocks: int  # held by at least one request
     num_cached_blocks: int  # blocks with a prefix-cache hash (owned or not)
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (each admission, re-admissions too)
     prefix_cache_hits: int  # of those, tokens found cached
     num_cow_copies: int = 0
 
@@ -34,8 +34,12 @@ class KVCacheStats:
 
 
 def hash_block(parent: Hashable | None, tokens: Sequence[int], extra: Hashable | None = None) -> int:
-    """Chained block hash: depends on every token before the block through ``parent``."""
-    return hash((parent, tuple(tokens), extra))
+    """Chained block hash: depends on every token before the block through ``parent``.
+
+    NOTE: Python's ``hash`` of ints and int tuples is the same in every process; a string ``extra``
+    is salted per process, which is fine while one process owns the cache.
+    """
+    return hash((-1 if parent is None else parent, tuple(tokens), extra))
 
 
 class KVCacheManager(ABC):
@@ -93,7 +97,7 @@ class KVCacheManager(ABC):
         """Current usage and prefix-cache counters."""
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash that no request holds; returns True on success."""
+        """Forget every cached block hash; only possible (True) while no request holds blocks."""
         return False
 
     @property

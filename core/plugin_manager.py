@@ -61,7 +61,7 @@ class Registry:
     def add(self, name: str, target: Any, plugin: str) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}")
-        if name in self._entries and self._entries[name].plugin != plugin:
+        if name in self._entries:
             raise ValueError(
                 f"{self.kind} {name!r} is registered twice: by plugin {self._entries[name].plugin!r} "
                 f"and by plugin {plugin!r}")
@@ -118,6 +118,10 @@ class PluginManager:
             if allow is not None and ep.name not in allow and not builtin:
                 continue
             if ep.name in self.plugins or ep.name in self.failed:
+                known = self.plugins.get(ep.name) or self.failed[ep.name]
+                if known.module != ep.value:
+                    logger.warning("kvforge plugin name %r is taken by %s; skipping %s from %s",
+                                   ep.name, known.module, ep.value, dist_name)
                 continue
             info = PluginInfo(ep.name, ep.value, dist_name, dist.version if dist is not None else None)
             try:
@@ -127,7 +131,13 @@ class PluginManager:
                 self.failed[ep.name] = info
                 logger.warning("kvforge plugin %r (%s) failed to load and is skipped: %r", ep.name, ep.value, exc)
                 continue
-            self.register(module, info)
+            try:
+                self.register(module, info)
+            except Exception as exc:  # a broken registration hook costs only its own plugin
+                self.unregister(ep.name)
+                info.error = repr(exc)
+                self.failed[ep.name] = info
+                logger.warning("kvforge plugin %r (%s) failed to register and is skipped: %r", ep.name, ep.value, exc)
 
     def register(self, plugin: Any, info: PluginInfo | str) -> None:
         """Register a plugin object and run its registration hooks (also used by tests)."""
@@ -135,21 +145,33 @@ class PluginManager:
             info = PluginInfo(info, getattr(plugin, "__name__", repr(plugin)))
         if self.pm.is_registered(plugin) or info.name in self.plugins:
             return
+        try:
+            self._register(plugin, info)
+        except Exception:
+            self.unregister(info.name)
+            raise
+
+    def _register(self, plugin: Any, info: PluginInfo) -> None:
         self.pm.register(plugin, name=info.name)
         self.plugins[info.name] = info
         for kind, hook_name in KINDS.items():
-            impl = getattr(plugin, hook_name, None)
-            if impl is None:
+            # only this plugin's @hookimpl functions, as pluggy validated them against the specs
+            impls = [i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin is plugin]
+            if not impls:
                 continue
+            impl = impls[0].function
             names: list[str] = []
 
             def _register(name: str, target: Any, _kind: str = kind, _names: list = names) -> None:
                 self.registries[_kind].add(name, target, info.name)
                 _names.append(name)
 
-            impl(register=_register)
-            if names:
-                info.registers[kind] = names
+            info.registers[kind] = names  # before the call, so a failure can be undone
+            try:
+                impl(register=_register)
+            finally:
+                if not names:
+                    del info.registers[kind]
 
     def unregister(self, name: str) -> None:
         """Remove a plugin and everything it registered (tests register fakes and remove them)."""

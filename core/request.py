@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    cache_salt: str | None = None  # extra key of the prefix-cache hashes (isolates tenants, LoRA ids)
 
     @property
     def num_prompt_tokens(self) -> int:

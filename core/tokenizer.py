@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from functools import lru_cache
 from typing import Any
 
@@ -33,13 +34,15 @@ def _load(path: str, gguf_file: str | None, trust_remote_code: bool) -> Any:
         except Exception as exc:  # a damaged cache entry is rebuilt
             logger.warning("ignoring damaged tokenizer cache %s: %r", saved, exc)
     tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    tmp = f"{saved}.tmp{os.getpid()}"
     try:
-        tmp = f"{saved}.tmp{os.getpid()}"
         tok.save_pretrained(tmp)
-        os.makedirs(os.path.dirname(saved), exist_ok=True)
+        shutil.rmtree(saved, ignore_errors=True)  # a damaged entry is replaced
         os.replace(tmp, saved)
     except OSError as exc:
-        logger.info("could not cache the GGUF tokenizer in %s: %r", saved, exc)
+        logger.warning("could not cache the GGUF tokenizer in %s: %r", saved, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 
@@ -86,3 +89,13 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end of generation: release held-back text, even an incomplete character."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        delta = self._decode(self.ids[self.prefix_offset:])[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

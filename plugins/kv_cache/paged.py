@@ -111,7 +111,7 @@ class PagedKVCacheManager(KVCacheManager):
         for _ in range(max(need, 0)):
             table.append(self._pop_free())
         self.tables[rid] = table
-        if first:
+        if first and self.enable_prefix_caching:
             self.queries += request.num_tokens
             self.hits += len(computed_blocks) * bs
             if computed_blocks:

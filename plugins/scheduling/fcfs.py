@@ -20,7 +20,8 @@ class FCFSOptions:
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+        v = self.long_prefill_token_threshold
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, "
                              f"got {self.long_prefill_token_threshold!r}")
 

@@ -1,0 +1,31 @@
+"""The model interface every registered model class follows (see ``register_models``)."""
+from __future__ import annotations
+
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+from kvforge.attention import AttentionBackend, AttentionMetadata
+from kvforge.model_config import ModelConfig
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model over a flattened (varlen) batch, with paged attention.
+
+    Constructed as ``cls(config, attn)`` on the target device under the target default dtype; the
+    one attention backend object serves every layer.
+    """
+
+    def __init__(self, config: ModelConfig, attn: AttentionBackend) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden_size].
+        ``kv_caches[i]`` is layer i's cache tensor (shape from ``attn.kv_cache_shape``)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from Hugging Face-named tensors; ``ValueError`` on unknown or missing names."""

@@ -1,0 +1,47 @@
+"""The engine on a CUDA device (run on the GPU machine: python -m pytest -m gpu)."""
+import os
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Hello, my name is", "1, 2, 3, 4, 5,",
+           "The quick brown fox", "Once upon a time, in a small village by the sea,",
+           "Water boils at", "The best way to learn a language is"]
+
+
+def test_default_model_fp32_on_cuda_matches_transformers(default_model_path, check_no_blocks):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = os.path.split(default_model_path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).cuda().eval()
+    llm = LLM(device="cuda", dtype="float32", attention_backend="torch", gpu_memory_utilization=0.3)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        ids = tok(p, return_tensors="pt").input_ids.cuda()
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2)
+        assert o.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), p
+    check_no_blocks(llm.llm_engine)
+
+
+def test_default_model_bf16_runs(check_no_blocks):
+    llm = LLM(device="cuda", dtype="bfloat16", attention_backend="torch", gpu_memory_utilization=0.3)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert "Paris" in outs[0].outputs[0].text
+    check_no_blocks(llm.llm_engine)
+
+
+def test_dummy_llama_1b_bf16_with_preemption(check_no_blocks):
+    llm = LLM("dummy:llama-3.2-1b", device="cuda", attention_backend="torch", num_gpu_blocks_override=64,
+              max_num_batched_tokens=512)
+    prompts = torch.randint(100, 120000, (16, 100)).tolist()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    check_no_blocks(llm.llm_engine)
