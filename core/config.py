@@ -32,7 +32,7 @@ class EngineConfig:
 
     model: HF directory, ``.gguf`` file, hub id, ``dummy:<preset>``, or None for the default model.
     tokenizer: tokenizer path if not the model's own.
-    load_format: ``auto`` or ``dummy`` (random weights of the model's shape).
+    load_format: ``auto``, ``safetensors``, ``gguf`` or ``dummy`` (random weights of the model's shape).
     dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16``, ``bfloat16``.
     device: ``auto`` (CUDA if available), ``cpu`` or ``cuda[:N]``.
     seed: seed of dummy weights and of unseeded sampling.

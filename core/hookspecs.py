@@ -81,8 +81,8 @@ def register_drafters(register: Register) -> None:
         :class:`kvforge.drafter.Drafter` or a ``"module:Class"`` string naming one.
     :return: nothing; results are ignored.
 
-    Called once per process when the plugin manager loads; the engine's ``drafter`` option selects one
-    (``None``, the default, disables speculative decoding).
+    Called once per process when the plugin manager loads. Drafters are looked up by name through the
+    plugin manager (``get_plugin_manager().get("drafter", name)``).
     """
 
 

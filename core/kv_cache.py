@@ -36,10 +36,10 @@ class KVCacheStats:
 def hash_block(parent: Hashable | None, tokens: Sequence[int], extra: Hashable | None = None) -> int:
     """Chained block hash: depends on every token before the block through ``parent``.
 
-    NOTE: Python's ``hash`` of ints and int tuples is the same in every process; a string ``extra``
-    is salted per process, which is fine while one process owns the cache.
+    NOTE: Python's ``hash`` of ints and int tuples is the same in every process (None is mapped to
+    ints for that); a string ``extra`` is salted per process, fine while one process owns the cache.
     """
-    return hash((-1 if parent is None else parent, tuple(tokens), extra))
+    return hash((-1 if parent is None else parent, tuple(tokens), 0 if extra is None else extra))
 
 
 class KVCacheManager(ABC):
