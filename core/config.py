@@ -44,6 +44,7 @@ class EngineConfig:
     max_num_seqs: most requests running in one step.
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+    max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for.
     attention_backend / scheduler / sampler / kv_cache_manager: plugin names.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
@@ -62,6 +63,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
+    max_logprobs: int = 20
     attention_backend: str = "auto"
     scheduler: str = "fcfs"
     sampler: str = "default"
@@ -77,7 +79,7 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
             positive_int(name)
         positive_int("max_model_len", allow_none=True)
         positive_int("num_gpu_blocks_override", allow_none=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,24 +12,14 @@ from kvforge.builder import component, select_attention_backend, validate_plugin
 from kvforge.config import EngineConfig
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
-from kvforge.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvforge.output_processor import OutputProcessor, ParentState
+from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
-from kvforge.request import Request
+from kvforge.request import Request, RequestStatus
 from kvforge.sampling_params import SamplingParams
-from kvforge.tokenizer import IncrementalDetokenizer
 from kvforge.tokenizer_source import tokenizer_for
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _OutputState:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    metrics: RequestMetrics
-    delta: bool  # stream only what is new since the last output
-    sent_tokens: int = 0
-    sent_text: int = 0
 
 
 class LLMEngine:
@@ -83,7 +72,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)
         self.attn_backend_name = attn_name
         self.num_blocks = num_blocks
-        self._states: dict[str, _OutputState] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
@@ -113,10 +102,13 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, stream_deltas: bool = False) -> Request:
-        """Validate and queue a request. Raises ``ValueError`` (naming the field) for bad input."""
+    def process_inputs(self, request_id: str | None, prompt: str | list[int] | dict,
+                       params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                       priority: int = 0, stream_deltas: bool = False) -> tuple[ParentState, list[Request]]:
+        """Tokenize and validate a request without touching the scheduler (safe from another thread).
+
+        Raises ``ValueError`` naming the field for bad input.
+        """
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params = params.clone() if params is not None else SamplingParams()
@@ -129,71 +121,67 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is longer than max_model_len={self.max_model_len} "
                              f"allows (at most {self.max_model_len - 1}, leaving room for one output token)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise ValueError(f"{name}: {v} is more than max_logprobs={self.config.max_logprobs}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} is more than max_num_seqs={self.config.max_num_seqs}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._states:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
         room = self.max_model_len - len(ids)
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
-        req = Request(request_id, ids, params, prompt=text, priority=priority,
-                      max_tokens=min(params.max_tokens or room, room))
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        self.scheduler.add(req)
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        self._states[request_id] = _OutputState(req, detok, RequestMetrics(arrival_time=time.time()), stream_deltas)
-        return req
+        parent = ParentState(request_id, text, ids, stream_deltas, RequestMetrics(arrival_time=time.time()))
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params._eos_token_ids = params._eos_token_ids
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, child_params, prompt=text, priority=priority,
+                          max_tokens=min(params.max_tokens or room, room))
+            if arrival_time is not None:
+                req.arrival_time = arrival_time
+            children.append(req)
+        return parent, children
+
+    def add_processed(self, parent: ParentState, children: list[Request]) -> None:
+        """Queue a request made by :meth:`process_inputs` (engine thread only)."""
+        if parent.request_id in self.outputs.parents:
+            raise ValueError(f"request_id: {parent.request_id!r} is already in use")
+        for req in children:
+            self.scheduler.add(req)
+        self.outputs.add(parent, children)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None, **kwargs: Any) -> str:
+        """Validate and queue a request; returns its id. Raises ``ValueError`` naming the field."""
+        parent, children = self.process_inputs(request_id, prompt, params, **kwargs)
+        self.add_processed(parent, children)
+        return parent.request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.abort(ids)
         for rid in ids:
-            self._states.pop(rid, None)
+            self.scheduler.abort(self.outputs.remove(rid))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that got a token."""
+        """Run one engine step; return an output for every request that made progress."""
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out, self.kv_cache)
         updated = self.scheduler.update(sched_out, runner_out)
-        now = time.time()
-        outputs = []
-        for req in updated:
-            state = self._states.get(req.request_id)
-            if state is None:
-                continue
-            self.num_generation_tokens += 1
-            m = state.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-                self.num_prompt_tokens += req.num_prompt_tokens
-            m.last_token_time = now
-            if state.detokenizer is not None:
-                state.detokenizer.add(req.output_token_ids[-1:])
-                if req.finished:
-                    state.detokenizer.flush()
-            if req.finished:
-                m.finished_time = now
-                del self._states[req.request_id]
-            outputs.append(self._make_output(state))
-        return outputs
+        self.num_generation_tokens += len(updated)
+        self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if len(r.output_token_ids) == 1)
+        return self.outputs.process(updated, runner_out, self._stop_by_string)
 
-    def _make_output(self, state: _OutputState) -> RequestOutput:
-        req = state.request
-        text = state.detokenizer.text if state.detokenizer is not None else ""
-        token_ids = req.output_token_ids
-        if state.delta:
-            text, token_ids = text[state.sent_text:], token_ids[state.sent_tokens:]
-            state.sent_text += len(text)
-            state.sent_tokens += len(token_ids)
-        else:
-            token_ids = list(token_ids)
-        finish = req.status.value if req.finished else None
-        completion = CompletionOutput(0, text, token_ids, finish, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.finished,
-                             req.num_cached_tokens, state.metrics)
+    def _stop_by_string(self, seq_id: str, stop: str) -> None:
+        self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop)
 
     def get_stats(self) -> dict[str, Any]:
         kv = self.kv_cache.stats()

@@ -47,7 +47,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p).request_id)
+                ids.append(engine.add_request(None, prompt, p))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -83,7 +83,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
-                        out_tokens += len(out.outputs[0].token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         if bar is not None:
                             elapsed = time.perf_counter() - start
                             bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)

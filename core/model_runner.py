@@ -10,7 +10,7 @@ import torch
 from kvforge.attention import AttentionBackend, BatchLayout
 from kvforge.kv_cache import KVCacheManager
 from kvforge.sampler import Sampler
-from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +106,56 @@ class ModelRunner:
         ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [num_tokens, hidden]
+        result = ModelRunnerOutput()
+        self._prompt_logprobs(out, layout, hidden, result)
         if not sample_rows:
-            return ModelRunnerOutput()
+            return result
         rows = torch.tensor(sample_rows, device=dev)
         logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
-        tokens = self.sampler.sample(logits, self.sampler.prepare(sample_reqs)).tolist()
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(sample_reqs, tokens)})
+        tokens_t = self.sampler.sample(logits, self.sampler.prepare(sample_reqs))
+        want = [i for i, r in enumerate(sample_reqs) if r.sampling_params.logprobs is not None]
+        if want:
+            k = max(sample_reqs[i].sampling_params.logprobs for i in want)
+            idx = torch.tensor(want, device=dev)
+            entries = _logprobs(logits[idx], tokens_t[idx], k)
+            for i, entry in zip(want, entries):
+                n = sample_reqs[i].sampling_params.logprobs
+                entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
+                result.logprobs[sample_reqs[i].request_id] = entry
+        tokens = tokens_t.tolist()
+        result.sampled_token_ids = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, layout: BatchLayout, hidden: torch.Tensor,
+                         result: ModelRunnerOutput) -> None:
+        """Log-probabilities of the prompt tokens this step's chunks predict (position p predicts p+1)."""
+        rows, targets, spans = [], [], []
+        for i, r in enumerate(out.scheduled):
+            if r.sampling_params.prompt_logprobs is None:
+                continue
+            start = r.num_computed_tokens
+            end = min(start + out.num_scheduled_tokens[r.request_id], r.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            off = int(layout.query_start_loc[i])
+            rows.extend(range(off, off + end - start))
+            targets.extend(r.prompt_token_ids[start + 1:end + 1])
+            spans.append((r, start, end - start))
+        if not rows:
+            return
+        dev = self.device
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
+        k = max(r.sampling_params.prompt_logprobs for r, _, _ in spans)
+        entries = _logprobs(logits, torch.tensor(targets, device=dev), k)
+        pos = 0
+        for r, start, n in spans:
+            mine = entries[pos:pos + n]
+            pos += n
+            for e in mine:
+                e.top_ids = e.top_ids[:r.sampling_params.prompt_logprobs]
+                e.top_logprobs = e.top_logprobs[:r.sampling_params.prompt_logprobs]
+            # entry j is for prompt position start + 1 + j
+            result.prompt_logprobs[r.request_id] = (start + 1, mine)
 
     def _layout(self, out: SchedulerOutput, kv: KVCacheManager):
         reqs = out.scheduled
@@ -152,3 +196,17 @@ def _prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayou
     slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
                             for i, n in enumerate(lens)])
     return BatchLayout(qsl, np.array(lens, dtype=np.int32), tables, slots)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Log-softmax of raw logits [rows, vocab]: each row's chosen token's value and rank, and the top k."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
+    rank = (lp > chosen[:, None]).sum(dim=1) + 1
+    if k > 0:
+        top_v, top_i = lp.topk(k, dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    else:
+        top_v = top_i = [[] for _ in range(lp.shape[0])]
+    return [TokenLogprobs(t, c, rk, ti, tv) for t, c, rk, ti, tv in
+            zip(tokens.tolist(), chosen.tolist(), rank.tolist(), top_i, top_v)]

@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence. In a streaming delta, ``text`` and ``token_ids`` hold only what is new."""
 
@@ -12,7 +21,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, "Logprob"]] | None = None  # per generated token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -36,3 +46,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None

@@ -16,6 +16,13 @@ class SamplingParams:
     max_tokens: the most tokens to generate (>= 1); ``None`` means up to the context length.
     stop_token_ids: token ids that end generation (the token is kept in the output ids).
     ignore_eos: keep generating past the model's end-of-sequence token.
+    n: number of samples to generate for the prompt (each an entry of ``RequestOutput.outputs``).
+    stop: strings that end generation when they appear in the text (matched across token
+        boundaries); the text is cut before the stop string unless ``include_stop_str_in_output``.
+    logprobs: return the sampled token's log-probability and the top-``logprobs`` alternatives at
+        each step (0: only the sampled token's); log-softmax of the model's raw logits.
+    prompt_logprobs: the same for every prompt token after the first.
+    skip_special_tokens: leave special tokens out of the text.
     """
 
     temperature: float = 1.0
@@ -26,6 +33,12 @@ class SamplingParams:
     max_tokens: int | None = 16
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    n: int = 1
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
     # Filled by the engine: the model's end-of-sequence ids (unless ignore_eos).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
@@ -49,6 +62,18 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            self.stop = list(self.stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
 
     @property
     def greedy(self) -> bool:

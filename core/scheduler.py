@@ -36,10 +36,25 @@ class SchedulerOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token's, its rank, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class ModelRunnerOutput:
-    """What one forward produced: one sampled token per request whose step completed its tokens."""
+    """What one forward produced: one sampled token per request whose step completed its tokens,
+    and log-probabilities where the request asked for them."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request -> (position of the first entry, one entry per prompt token predicted in this step)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +91,11 @@ class Scheduler(ABC):
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """End the given requests now and free their blocks; unknown ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """End requests with ``status`` (abort, or a stop string found by the output processor)."""
         aborted = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -88,7 +108,8 @@ class Scheduler(ABC):
                     self.waiting.remove(req)
                 except ValueError:
                     pass
-            req.status = RequestStatus.FINISHED_ABORTED
+            req.status = status
+            req.stop_reason = stop_reason
             self._finish(req)
             aborted.append(req)
         return aborted

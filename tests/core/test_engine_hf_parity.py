@@ -96,3 +96,27 @@ def test_shared_64_token_prefix_hits_cache(hf_reference, default_model_path, che
                              eos_token_id=2, pad_token_id=2)[0, len(second):].tolist()
     assert out.outputs[0].token_ids == ref
     check_no_blocks(llm.llm_engine)
+
+
+@pytest.mark.slow
+def test_logprobs_are_log_softmax_of_transformers_logits(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(device="cpu")
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    d, name = os.path.split(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    n_prompt = len(out.prompt_token_ids)
+    for i, (tok, lps) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[n_prompt - 1 + i]
+        assert lps[tok].logprob == pytest.approx(row[tok].item(), abs=1e-3)
+        top = row.topk(5)
+        assert sorted(lps) == sorted(top.indices.tolist())
+    for pos in range(1, n_prompt):
+        entry = out.prompt_logprobs[pos]
+        tok = ids[pos]
+        assert entry[tok].logprob == pytest.approx(ref[pos - 1, tok].item(), abs=1e-3)
