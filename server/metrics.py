@@ -1,0 +1,68 @@
+"""Prometheus metrics for ``GET /metrics``: engine gauges and counters read at scrape time,
+latency histograms observed as outputs stream out."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model: str):
+        self.stats, self.model = stats, model
+
+    def collect(self):
+        s = self.stats()
+        labels = ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model], value)
+            return c
+
+        yield gauge("kvforge:num_requests_running", "Sequences in the running batch.", s["num_running"])
+        yield gauge("kvforge:num_requests_waiting", "Sequences waiting to be scheduled.", s["num_waiting"])
+        yield gauge("kvforge:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s["kv_cache_usage"])
+        yield counter("kvforge:prefix_cache_queries", "Tokens looked up in the prefix cache.", s["prefix_cache_queries"])
+        yield counter("kvforge:prefix_cache_hits", "Tokens found in the prefix cache.", s["prefix_cache_hits"])
+        yield counter("kvforge:num_preemptions", "Preemptions of running sequences.", s["num_preemptions"])
+        yield counter("kvforge:prompt_tokens", "Prompt tokens processed.", s["num_prompt_tokens"])
+        yield counter("kvforge:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, model))
+        self.model = model
+        kw = dict(labelnames=["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("kvforge:time_to_first_token_seconds", "Time to first token.", **kw).labels(model)
+        self.itl = Histogram("kvforge:inter_token_latency_seconds", "Time between output deltas.", **kw).labels(model)
+        self.e2e = Histogram("kvforge:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             **kw).labels(model)
+
+    def observe(self, out: Any, previous_token_time: float | None) -> float | None:
+        """Record one output delta's latencies; returns the new last-token time."""
+        m = out.metrics
+        if m is None or m.last_token_time is None:
+            return previous_token_time
+        if previous_token_time is None:
+            if m.first_token_time is not None:
+                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        elif m.last_token_time > previous_token_time:
+            self.itl.observe(m.last_token_time - previous_token_time)
+        if out.finished and m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        return m.last_token_time
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,79 @@
+"""A real `kvforge serve` subprocess on a free loopback port, shared by the server tests."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict | None = None, model: str = "dummy:tiny"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvforge.cli", "serve", model, "--device", "cpu", "--port", str(self.port),
+               "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "512", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy in time")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = ServerProcess("--api-key", API_KEY, "--served-model-name", "tiny", "tiny-alias")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from kvforge.model_loader import default_model_path
+    from kvforge.tokenizer import load_tokenizer
+    return load_tokenizer(default_model_path())
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
