@@ -46,6 +46,10 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -91,6 +95,8 @@ class AsyncLLMEngine:
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
+            if self.error is not None:  # died after the first check: nothing would ever answer
+                raise EngineDeadError(f"the engine has stopped: {self.error!r}")
             self._queues[request_id] = (loop, q)
         self._send(("add", parent, children))
         return self._stream(request_id, q)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", dict(default=None, help="HF directory, .gguf file, hub id or dummy:<preset> (default: SmolLM2-135M)")),
+    ("--model", dict(default=None, help="HF directory, .gguf file, hub id or dummy:<preset> (default: SmolLM2-135M-Instruct)")),
     ("--config", dict(default=None, help="TOML/YAML file of engine options and [plugins.<name>] tables")),
     ("--tokenizer", dict(default=None)),
     ("--load-format", dict(default=None, choices=["auto", "safetensors", "gguf", "dummy"])),

@@ -70,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 for s in self.servers:
                     for sock in s.sockets:
                         h, p = sock.getsockname()[:2]
+                        h = f"[{h}]" if ":" in h else h
                         logger.info("kvforge ready: serving %s on http://%s:%d", ", ".join(served), h, p)
 
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",

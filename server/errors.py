@@ -44,5 +44,5 @@ async def handle_validation_error(request: Request, exc: RequestValidationError)
     if param:
         msg = f"{param}: {msg}"
     if first.get("type") == "missing":
-        msg = f"{param}: field required"
+        msg = f"{param}: field required" if param else "the request body is missing"
     return error_response(400, msg, param)

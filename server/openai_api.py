@@ -129,9 +129,9 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._chat_stream(started, rid, created, model, req.n, top, len(ids),
-                                                       include_usage, req.logprobs),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._guarded(self._chat_stream(started, rid, created, model, req.n, top,
+                                                                     len(ids), include_usage, req.logprobs),
+                                                   started), media_type="text/event-stream")
         finals: dict[int, dict] = {}
         n_gen = 0
         async for _, out in self.merged(started):
@@ -194,6 +194,9 @@ class OpenAIServing:
                 text = p
             else:
                 ids = p
+                vocab = self.engine.vocab_size
+                if min(ids) < 0 or max(ids) >= vocab:
+                    raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
                 text = self.engine.tokenizer.decode(p) if self.engine.tokenizer is not None else ""
             max_tokens = self.max_tokens(len(ids), req.max_tokens, "prompt")
             lp = req.logprobs
@@ -207,7 +210,8 @@ class OpenAIServing:
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._completion_stream(started, head, req, texts, prompt_tokens, include_usage),
+            return StreamingResponse(self._guarded(self._completion_stream(started, head, req, texts, prompts,
+                                                                           prompt_tokens, include_usage), started),
                                      media_type="text/event-stream")
         finals: dict[int, dict] = {}
         n_gen = 0
@@ -231,7 +235,18 @@ class OpenAIServing:
             choices.append({"index": idx, "text": f["text"], "logprobs": lp, "finish_reason": f["finish"]})
         return JSONResponse(head | {"choices": choices, "usage": _usage(prompt_tokens, n_gen)})
 
-    async def _completion_stream(self, started, head, req, texts, prompt_tokens, include_usage) -> AsyncIterator[str]:
+    async def _guarded(self, gen: AsyncIterator[str], started: list) -> AsyncIterator[str]:
+        """Abort every request of a stream that ends early, even before it reached the engine's output."""
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+            for rid, _ in started:
+                self.engine.abort(rid)
+
+    async def _completion_stream(self, started, head, req, texts, prompts, prompt_tokens,
+                                 include_usage) -> AsyncIterator[str]:
         n_gen = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # text offset reached by each choice
@@ -240,14 +255,16 @@ class OpenAIServing:
             for c in out.outputs:
                 idx = i * req.n + c.index
                 text = c.text
-                if req.echo and idx not in echoed:
+                first_echo = req.echo and idx not in echoed
+                if first_echo:
                     echoed.add(idx)
                     text = texts[i] + text
                 n_gen += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs, None, None)
-                    base = offsets.get(idx, len(texts[i]) if req.echo else 0)
+                    lp = self._completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
+                                                   out if first_echo else None, prompts[i])
+                    base = offsets.get(idx, 0)
                     lp["text_offset"] = [base + o for o in lp["text_offset"]]
                     offsets[idx] = base + sum(len(t) for t in lp["tokens"])
                 choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})

@@ -9,7 +9,7 @@ from kvforge.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do (clients send `user`, `metadata`, ...).
+    # Unknown fields are ignored, as vLLM does (clients send `user`, `metadata`, ...).
     model_config = ConfigDict(extra="ignore")
 
 

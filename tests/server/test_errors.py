@@ -41,6 +41,8 @@ def still_serves(server):
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": [2 ** 40]}, "prompt"),
     ("/v1/completions", COMPLETION | {"logprobs": 21}, "logprobs"),
     ("/v1/completions", COMPLETION | {"seed": "x"}, "seed"),
 ])
