@@ -20,6 +20,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--gpu-memory-utilization", dict(type=float, default=None)),
     ("--kv-cache-memory-gib", dict(type=float, default=None)),
     ("--num-gpu-blocks-override", dict(type=int, default=None)),
+    ("--swap-space", dict(type=float, default=None, help="GiB of CPU memory for KV blocks preempted by swapping")),
     ("--max-num-seqs", dict(type=int, default=None)),
     ("--max-num-batched-tokens", dict(type=int, default=None)),
     ("--attention-backend", dict(default=None)),

@@ -41,6 +41,9 @@ class EngineConfig:
     gpu_memory_utilization: fraction of GPU memory the engine may use in total (CUDA).
     kv_cache_memory_gib: KV pool size on CPU in GiB (CUDA: overrides the profiled size).
     num_gpu_blocks_override: exact number of KV blocks (any device); wins over the two above.
+    swap_space: GiB of host memory for KV blocks of requests preempted by swapping (a scheduler
+        option such as ``priority``'s ``preemption_mode = "swap"``); allocated on the first swap,
+        pinned on CUDA. 0 disables swapping (preemption recomputes).
     max_num_seqs: most requests running in one step.
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
@@ -60,6 +63,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gib: float | None = None
     num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
@@ -95,6 +99,8 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None and (not number(self.kv_cache_memory_gib)
                                                      or not self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if not number(self.swap_space) or not 0 <= self.swap_space < float("inf"):
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):

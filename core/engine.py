@@ -17,6 +17,7 @@ from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.request import Request, RequestStatus
 from kvforge.sampling_params import SamplingParams
+from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,9 @@ class LLMEngine:
                          num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
                          block_size=config.block_size, dtype=self.dtype, device=self.device)
         model = load_model(self.source, mc, attn, self.dtype, self.device, seed=config.seed)
-        sampler = component(pm, "sampler", config.sampler, config, vocab_size=mc.vocab_size, device=self.device)
+        self._logits_processors: dict[str, Any] = {}
+        sampler = component(pm, "sampler", config.sampler, config, vocab_size=mc.vocab_size, device=self.device,
+                            logits_processors=self._logits_processor)
         self.runner = ModelRunner(model, attn, sampler, num_layers=mc.num_hidden_layers,
                                   vocab_size=mc.vocab_size, device=self.device)
 
@@ -65,19 +68,58 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.runner.initialize_kv_cache(num_blocks)
+        num_cpu_blocks = self.runner.initialize_swap_space(config.swap_space)
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
-                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                  num_cpu_blocks=num_cpu_blocks)
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)
         self.attn_backend_name = attn_name
         self.num_blocks = num_blocks
         self.outputs = OutputProcessor(self.tokenizer)
+        self._structured: StructuredOutputManager | None = None
+        self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
                     self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
         pm.hook.engine_created(engine=self)
+
+    def _logits_processor(self, name: str) -> Any:
+        """The engine's instance of a registered logits processor (built on first use)."""
+        proc = self._logits_processors.get(name)
+        if proc is None:
+            proc = component(self.plugin_manager, "logits_processor", name, self.config,
+                             vocab_size=self.model_config.vocab_size, device=self.device)
+            self._logits_processors[name] = proc
+        return proc
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """Checks that need the model or the plugins; ``ValueError`` naming the field."""
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            ids = getattr(params, name)
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"{name}: token ids must be < the vocabulary size {vocab}")
+        for name in params.logits_processors or []:
+            if name not in self.plugin_manager.names("logits_processor"):
+                raise ValueError(f"logits_processors: unknown logits processor {name!r}; valid names: "
+                                 f"{', '.join(self.plugin_manager.names('logits_processor')) or '(none)'}")
+        if (params.bad_words or params.structured_outputs) and self.tokenizer is None:
+            field = "bad_words" if params.bad_words else "structured_outputs"
+            raise ValueError(f"{field}: needs a tokenizer, and this model has none")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids, with and without a leading space (as vLLM does)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -125,6 +167,7 @@ class LLMEngine:
             v = getattr(params, name)
             if v is not None and v > self.config.max_logprobs:
                 raise ValueError(f"{name}: {v} is more than max_logprobs={self.config.max_logprobs}")
+        self._check_sampling(params)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} is more than max_num_seqs={self.config.max_num_seqs}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -142,10 +185,24 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, prompt=text, priority=priority,
                           max_tokens=min(params.max_tokens or room, room))
+            if params.bad_words:
+                req.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+            if params.structured_outputs is not None:
+                req.grammar = self.structured_outputs.state(params.structured_outputs)
             if arrival_time is not None:
                 req.arrival_time = arrival_time
+            if children:
+                req.fork_of = children[0]
+                children[0].forks.append(req)
             children.append(req)
         return parent, children
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                       self.eos_token_ids)
+        return self._structured
 
     def add_processed(self, parent: ParentState, children: list[Request]) -> None:
         """Queue a request made by :meth:`process_inputs` (engine thread only)."""
@@ -153,6 +210,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {parent.request_id!r} is already in use")
         for req in children:
             self.scheduler.add(req)
+            if req.grammar is not None and not req.grammar.usable:
+                self._compiling[req.request_id] = req
         self.outputs.add(parent, children)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
@@ -173,12 +232,29 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that made progress."""
+        self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out, self.kv_cache)
         updated = self.scheduler.update(sched_out, runner_out)
+        for req in updated:
+            if req.grammar is not None and not req.finished:
+                if not req.grammar.accept(req.output_token_ids[-1]):
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED,
+                                                   "structured_outputs: the grammar rejected a token")
+                elif req.grammar.terminated:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         self.num_generation_tokens += len(updated)
         self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if len(r.output_token_ids) == 1)
         return self.outputs.process(updated, runner_out, self._stop_by_string)
+
+    def _fail_bad_grammars(self) -> None:
+        """End the sequences whose constraint failed to compile (``stop_reason`` holds the error)."""
+        for rid, req in list(self._compiling.items()):
+            if req.finished or req.grammar.ready:
+                del self._compiling[rid]
+                if not req.finished and req.grammar.error is not None:
+                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED, req.grammar.error)
+                    self.outputs.pending_finished.append(req)
 
     def _stop_by_string(self, seq_id: str, stop: str) -> None:
         self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop)
@@ -188,6 +264,10 @@ class LLMEngine:
         sch = self.scheduler.stats()
         return {"num_running": sch.num_running, "num_waiting": sch.num_waiting,
                 "num_preemptions": sch.num_preemptions, "kv_cache_usage": kv.usage,
+                "num_preemptions_recompute": sch.num_preemptions - sch.num_preemptions_swap,
+                "num_preemptions_swap": sch.num_preemptions_swap, "num_swapped": sch.num_swapped,
+                "num_swapped_out_blocks": kv.num_swapped_out_blocks, "num_cpu_blocks": kv.num_cpu_blocks,
+                "num_free_cpu_blocks": kv.num_free_cpu_blocks, "waiting_by_priority": sch.waiting_by_priority,
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens}

@@ -74,6 +74,19 @@ def register_samplers(register: Register) -> None:
 
 
 @hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register logits processors by name; requests enable them with ``SamplingParams.logits_processors``.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.sampler.LogitsProcessor` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads. A processor is instantiated once per engine,
+    the first time a request names it; an unknown name in a request is a ``ValueError``.
+    """
+
+
+@hookspec
 def register_drafters(register: Register) -> None:
     """Register speculative-decoding drafters by name.
 

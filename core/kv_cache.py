@@ -22,6 +22,10 @@ class KVCacheStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache (each admission, re-admissions too)
     prefix_cache_hits: int  # of those, tokens found cached
     num_cow_copies: int = 0
+    num_cpu_blocks: int = 0  # CPU swap pool size (0: no swapping, preemption recomputes)
+    num_free_cpu_blocks: int = 0
+    num_swapped_out_blocks: int = 0  # blocks copied device -> CPU pool, total since start
+    num_swapped_in_blocks: int = 0  # blocks copied CPU pool -> device, total since start
 
     @property
     def usage(self) -> float:
@@ -47,18 +51,25 @@ class KVCacheManager(ABC):
 
     Call order for one request: ``get_computed_blocks`` (first schedule only) ->
     ``allocate_slots`` each step it runs -> ``free`` when it finishes, is aborted or preempted.
+    A scheduler that preempts by swapping calls ``swap_out`` instead of ``free`` and ``swap_in``
+    before the request's next ``allocate_slots``; a manager without a CPU pool (``num_cpu_blocks``
+    0, or one that does not implement swapping) answers None and the scheduler recomputes instead.
     """
 
     name: str = ""
 
-    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, **options: Any):
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0, **options: Any):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_cpu_blocks = num_cpu_blocks
 
     @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -78,7 +89,8 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def free(self, request_id: str) -> None:
-        """Release every block of the request; cached blocks stay reusable until evicted."""
+        """Release every block of the request, on the device and in the CPU pool; cached blocks stay
+        reusable until evicted."""
 
     @abstractmethod
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -100,6 +112,29 @@ class KVCacheManager(ABC):
         """Forget every cached block hash; only possible (True) while no request holds blocks."""
         return False
 
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the CPU pool: give up its device blocks, take CPU blocks.
+
+        Returns the ``(device block, CPU block)`` copies the runner must make, in the request's
+        logical block order, or None, changing nothing, when the CPU pool lacks room (or the
+        manager cannot swap): then the caller preempts by recompute. The device blocks are free
+        for reuse at once; the runner copies them out before any other cache write of the step.
+        Default: None.
+        """
+        return None
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back: new device blocks, in the same logical order.
+
+        Returns the ``(CPU block, device block)`` copies, or None, changing nothing, when there are
+        not enough free device blocks. The CPU blocks are released. Default: None.
+        """
+        return None
+
     @property
     def num_free_blocks(self) -> int:
         return self.stats().num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.stats().num_free_cpu_blocks

@@ -29,8 +29,13 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        ``priority``: one integer per prompt (lower runs first), used by schedulers that honour it
+        (``priority``); default 0 for every prompt.
+        """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -43,11 +48,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)
+              or not all(isinstance(x, int) and not isinstance(x, bool) for x in priority)):
+            raise ValueError(f"priority: expected {len(prompts)} integers (one per prompt), got {priority!r}")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+            for prompt, p, prio in zip(prompts, params, priority):
+                ids.append(engine.add_request(None, prompt, p, priority=prio))
         except Exception:
             engine.abort_request(ids)
             raise

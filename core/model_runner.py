@@ -11,6 +11,7 @@ from kvforge.attention import AttentionBackend, BatchLayout
 from kvforge.kv_cache import KVCacheManager
 from kvforge.sampler import Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvforge.swap import CPUSwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = attn.block_size
+        self.swap_space: CPUSwapSpace | None = None
 
     # -- KV cache sizing -------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -93,10 +95,27 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers)
 
+    def initialize_swap_space(self, swap_space_gib: float) -> int:
+        """Size the CPU swap pool (allocated on its first use); returns its number of blocks."""
+        num_cpu_blocks = int(swap_space_gib * GiB) // self.bytes_per_block()
+        self.swap_space = CPUSwapSpace(self.attn, self.num_layers, num_cpu_blocks)
+        return num_cpu_blocks
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy ``(device, cpu)`` blocks to the CPU pool and ``(cpu, device)`` blocks back, every layer.
+
+        NOTE: called before any other cache write of the step (see ``kvforge.swap``).
+        """
+        if swap_out or swap_in:
+            if self.swap_space is None:
+                raise ValueError("swap: no CPU swap pool (initialize_swap_space was not called)")
+            self.swap_space.swap(self.kv_caches, swap_out, swap_in)
+
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
         self.sampler.release(out.finished_request_ids)
+        self.swap_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in)  # even in a step with no batch
         if out.is_empty:
             return ModelRunnerOutput()
         self.attn.copy_blocks(self.kv_caches, out.blocks_to_copy)
@@ -184,6 +203,9 @@ class ModelRunner:
             if end >= r.num_tokens:  # the step reaches the request's last known token: sample
                 sample_rows.append(off + q - 1)
                 sample_reqs.append(r)
+                for child in r.forks:  # n > 1: the other samples draw from the same logits
+                    sample_rows.append(off + q - 1)
+                    sample_reqs.append(child)
         layout = BatchLayout(query_start_loc, seq_lens, block_tables, slot_mapping)
         return layout, input_ids, positions, sample_rows, sample_reqs
 

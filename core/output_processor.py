@@ -49,6 +49,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.seqs: dict[str, SeqState] = {}  # sequence (scheduler) request id -> state
+        self.pending_finished: list[Request] = []  # ended outside a step's update (failed grammar)
 
     def add(self, parent: ParentState, children: list[Request]) -> None:
         params = children[0].sampling_params
@@ -78,6 +79,11 @@ class OutputProcessor:
         """``finish(seq_id, stop_string)`` ends a sequence whose text hit a stop string."""
         now = time.time()
         touched: dict[str, ParentState] = {}
+        for req in self.pending_finished:
+            seq = self.seqs.get(req.request_id)
+            if seq is not None:
+                touched[seq.parent.request_id] = seq.parent
+        self.pending_finished = []
         for rid, (first_pos, entries) in runner_out.prompt_logprobs.items():
             seq = self.seqs.get(rid)
             if seq is not None and seq.parent.prompt_logprobs is not None:

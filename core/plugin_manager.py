@@ -28,6 +28,7 @@ KINDS: dict[str, str] = {
     "scheduler": "register_schedulers",
     "sampler": "register_samplers",
     "drafter": "register_drafters",
+    "logits_processor": "register_logits_processors",
     "kv_cache_manager": "register_kv_cache_managers",
     "model": "register_models",
 }

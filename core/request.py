@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvforge.sampling_params import SamplingParams
 
@@ -12,6 +13,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, its KV blocks freed
+    SWAPPED = "swapped"  # preempted by swapping: its KV blocks in the CPU pool, num_computed_tokens kept
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -45,6 +47,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     cache_salt: str | None = None  # extra key of the prefix-cache hashes (isolates tenants, LoRA ids)
+    bad_words_token_ids: list[list[int]] | None = None  # tokenized SamplingParams.bad_words
+    grammar: Any = None  # structured-output state (kvforge.structured_output.GrammarState)
+    # n > 1: sample 0 computes the prompt once; when its prefill completes, these samples take its
+    # blocks by reference (copy-on-write) and draw their first tokens from the same logits.
+    forks: list["Request"] = field(default_factory=list)
+    fork_of: "Request | None" = None
 
     @property
     def num_prompt_tokens(self) -> int:

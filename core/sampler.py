@@ -2,11 +2,30 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from kvforge.request import Request
+
+
+class LogitsProcessor(ABC):
+    """A batch-level logits transform that requests enable by name (``SamplingParams.logits_processors``).
+
+    Registered through the ``register_logits_processors`` hook; built once per engine, on first use.
+    """
+
+    name: str = ""
+
+    def __init__(self, *, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """logits: [len(requests), vocab] float32 rows of the requests that enabled this processor
+        (their state: ``request.output_token_ids``, ``request.sampling_params.extra_args``...).
+        Returns the new logits of the same shape. Called once per step, never per request."""
 
 
 class Sampler(ABC):
@@ -14,9 +33,12 @@ class Sampler(ABC):
 
     name: str = ""
 
-    def __init__(self, *, vocab_size: int, device: torch.device, **options: Any):
+    def __init__(self, *, vocab_size: int, device: torch.device,
+                 logits_processors: Callable[[str], LogitsProcessor] | None = None, **options: Any):
+        """``logits_processors(name)`` returns the engine's instance of a registered processor."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.get_processor = logits_processors
 
     @abstractmethod
     def prepare(self, requests: Sequence[Request]) -> Any:

@@ -4,6 +4,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint: ``json`` (a JSON schema, dict or string), ``regex``, ``choice`` (a list
+    of strings, the output is one of them) or ``json_object=True`` (any JSON object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n, v in (("json", self.json), ("regex", self.regex), ("choice", self.choice),
+                                ("json_object", self.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, json_object; got {given}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+
+    def key(self) -> tuple:
+        import json as _json
+        schema = self.json if isinstance(self.json, str) or self.json is None else _json.dumps(self.json, sort_keys=True)
+        return (schema, self.regex, tuple(self.choice) if self.choice else None, self.json_object)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping parameters.
@@ -23,6 +53,18 @@ class SamplingParams:
         each step (0: only the sampled token's); log-softmax of the model's raw logits.
     prompt_logprobs: the same for every prompt token after the first.
     skip_special_tokens: leave special tokens out of the text.
+    spaces_between_special_tokens: put spaces around special tokens in the text (slow tokenizers).
+    presence_penalty: subtract this from the logit of every token already generated, in [-2, 2].
+    frequency_penalty: subtract this times the token's count so far, in [-2, 2].
+    repetition_penalty: divide positive (multiply negative) logits of tokens in the prompt or output
+        by this (> 0; 1 disables).
+    logit_bias: token id -> value added to its logit, values in [-100, 100].
+    min_tokens: generate at least this many tokens before EOS or ``stop_token_ids`` may end it.
+    allowed_token_ids: sample only among these tokens.
+    bad_words: words never to generate (their token sequences are blocked at their last token).
+    structured_outputs: constrain the output to a JSON schema, a regex, a list of choices or any JSON.
+    logits_processors: names of registered logits processors to apply to this request.
+    extra_args: free-form arguments for logits processors and other plugins (by name).
     """
 
     temperature: float = 1.0
@@ -39,6 +81,17 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: "StructuredOutputsParams | None" = None
+    logits_processors: list[str] | None = None
+    extra_args: dict | None = None
     # Filled by the engine: the model's end-of-sequence ids (unless ignore_eos).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
@@ -70,6 +123,42 @@ class SamplingParams:
             if not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
             self.stop = list(self.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            if any(not -100.0 <= v <= 100.0 for v in bias.values()) or any(k < 0 for k in bias):
+                raise ValueError("logit_bias values must be in [-100, 100] and keys non-negative token ids")
+            self.logit_bias = bias
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if self.logits_processors is not None:
+            if not all(isinstance(n, str) for n in self.logits_processors):
+                raise ValueError("logits_processors must be a list of names")
+            self.logits_processors = list(self.logits_processors)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

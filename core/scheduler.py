@@ -8,7 +8,7 @@ the bookkeeping shared by every policy (``add``, ``abort``, ``update``); a polic
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -23,6 +23,9 @@ class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # NOTE: the runner runs the swaps before any other cache write of the step (see kvforge.swap)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block)
     preempted: list[Request] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)  # ended since the last step
 
@@ -62,6 +65,9 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     num_preemptions: int  # total since start
+    num_preemptions_swap: int = 0  # of those, by swapping blocks to the CPU pool (the rest recompute)
+    num_swapped: int = 0  # requests whose blocks wait in the CPU pool now
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)  # Request.priority -> waiting count
 
 
 class Scheduler(ABC):
@@ -87,7 +93,8 @@ class Scheduler(ABC):
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.fork_of is None:  # a fork waits for its sample 0 to finish the prompt
+            self.waiting.append(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """End the given requests now and free their blocks; unknown ids are ignored."""
@@ -144,10 +151,31 @@ class Scheduler(ABC):
                 continue
             req.output_token_ids.append(token)
             updated.append(req)
+            if req.forks:
+                updated.extend(self._fork(req, sampled))
             if req.check_stop():
                 self.running.remove(req)
                 self._finish(req)
         return updated
+
+    def _fork(self, req: Request, sampled: dict[str, int]) -> list[Request]:
+        """Sample 0 finished the prompt: its forks share its blocks and start with their own token."""
+        started = []
+        for child in req.forks:
+            if child.finished:
+                continue
+            self.kv_cache.fork(req.request_id, child.request_id)
+            child.num_computed_tokens = req.num_computed_tokens
+            child.num_cached_tokens = req.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            child.output_token_ids.append(sampled[child.request_id])
+            self.running.append(child)
+            started.append(child)
+            if child.check_stop():
+                self.running.remove(child)
+                self._finish(child)
+        req.forks = []
+        return started
 
     def take_finished_ids(self) -> set[str]:
         ids, self._finished_ids = self._finished_ids, set()
@@ -157,7 +185,10 @@ class Scheduler(ABC):
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
+        waiting = list(self.waiting)  # one copy: get_stats may run on another thread than the engine
+        by_priority = Counter(r.priority for r in waiting)
+        return SchedulerStats(len(self.running), len(waiting), self.num_preemptions,
+                              waiting_by_priority=dict(sorted(by_priority.items())))
 
     # -- policy ----------------------------------------------------------------------------------
     @abstractmethod

@@ -4,6 +4,13 @@ Free blocks wait in one LRU queue (an ordered dict): blocks that hold no cached 
 front and are reused first; blocks with a prefix hash join the back when their last owner lets go,
 so the least recently used cached block is evicted first. Taking a cached block out of the queue
 (a prefix hit) makes it live again.
+
+Swapping keeps a second, plain free list of CPU-pool block ids. ``swap_out`` gives each of the
+request's blocks a CPU block and then lets go of the device blocks exactly as ``free`` does, so a
+block shared with another owner (ref_count > 1, a fork or a prefix hit) is copied like any other
+and stays on the device for the others; cached blocks keep their hashes until evicted. ``swap_in``
+takes fresh device blocks, unshared and unhashed; the request's next ``allocate_slots`` hashes its
+full blocks again, so they rejoin the prefix cache where no other block holds the same prefix.
 """
 from __future__ import annotations
 
@@ -28,8 +35,10 @@ class _Block:
 class PagedKVCacheManager(KVCacheManager):
     name = "paged"
 
-    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        super().__init__(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0):
+        super().__init__(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                         num_cpu_blocks=num_cpu_blocks)
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -38,6 +47,9 @@ class PagedKVCacheManager(KVCacheManager):
         self.hashes: dict[str, list[int]] = {}  # request -> chained hashes of its full blocks
         self.copies: list[tuple[int, int]] = []
         self.queries = self.hits = self.cow_copies = 0
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))  # popped from the end
+        self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> CPU blocks, logical order
+        self.swapped_out = self.swapped_in = 0
 
     # -- prefix cache ----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -141,6 +153,7 @@ class PagedKVCacheManager(KVCacheManager):
         return block_id
 
     def free(self, request_id: str) -> None:
+        self.cpu_free.extend(self.cpu_tables.pop(request_id, ()))
         table = self.tables.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
         self.hashes.pop(request_id, None)
@@ -167,6 +180,32 @@ class PagedKVCacheManager(KVCacheManager):
         self.hashes[child_id] = list(self.hashes.get(parent_id, []))
         self.num_hashed[child_id] = self.num_hashed.get(parent_id, 0)
 
+    # -- swapping to the CPU pool ----------------------------------------------------------------
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        table = self.tables.get(request_id)
+        if table is None or request_id in self.cpu_tables:
+            raise ValueError(f"cannot swap out request {request_id!r}: it holds no device blocks")
+        if len(table) > len(self.cpu_free):
+            return None
+        cpu = [self.cpu_free.pop() for _ in table]
+        self.free(request_id)
+        self.cpu_tables[request_id] = cpu
+        self.swapped_out += len(cpu)
+        return list(zip(table, cpu))
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        cpu = self.cpu_tables.get(request_id)
+        if cpu is None:
+            raise ValueError(f"cannot swap in request {request_id!r}: it is not swapped out")
+        if len(cpu) > len(self.free_queue):
+            return None
+        table = [self._pop_free() for _ in cpu]
+        del self.cpu_tables[request_id]
+        self.cpu_free.extend(reversed(cpu))
+        self.tables[request_id] = table
+        self.swapped_in += len(cpu)
+        return list(zip(cpu, table))
+
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
@@ -182,7 +221,9 @@ class PagedKVCacheManager(KVCacheManager):
         return KVCacheStats(
             num_blocks=self.num_blocks, num_free_blocks=free, num_used_blocks=self.num_blocks - free,
             num_cached_blocks=len(self.cached), prefix_cache_queries=self.queries,
-            prefix_cache_hits=self.hits, num_cow_copies=self.cow_copies)
+            prefix_cache_hits=self.hits, num_cow_copies=self.cow_copies, num_cpu_blocks=self.num_cpu_blocks,
+            num_free_cpu_blocks=len(self.cpu_free), num_swapped_out_blocks=self.swapped_out,
+            num_swapped_in_blocks=self.swapped_in)
 
     def reset_prefix_cache(self) -> bool:
         if any(self.tables.values()):

@@ -1,14 +1,19 @@
-"""``default``: greedy, temperature, top-k, top-p, min-p and per-request seeds, batched on the device.
+"""``default``: the full set of vLLM sampling parameters, batched on the device.
 
-Sampling draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` per vocabulary entry (equivalent to
-drawing from ``probs``). Rows with a seed draw ``E`` from their own generator, so a seeded request
-samples the same tokens whatever else shares its batch.
+Order, as vLLM's: masks (allowed tokens, bad words, ``min_tokens``, structured-output grammar),
+logit bias, registered logits processors, penalties (repetition, frequency, presence) on the raw
+logits, then temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of the
+processed logits. Sampling draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` (equivalent to
+drawing from ``probs``); rows with a seed draw ``E`` from their own generator, so a seeded request
+samples the same tokens whatever else shares its batch. Each feature's tensors are built only when
+some row in the step uses it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from kvforge.request import Request
@@ -17,14 +22,20 @@ from kvforge.sampler import Sampler
 
 @dataclass
 class SamplingState:
-    temperature: torch.Tensor  # [rows] float32 (0 rows set to 1: they take the greedy path)
-    greedy: torch.Tensor  # [rows] bool
-    top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled; None if no row uses it
-    top_p: torch.Tensor | None  # [rows] float32
-    min_p: torch.Tensor | None  # [rows] float32
+    temperature: torch.Tensor | None  # [rows] float32 (greedy rows set to 1)
+    greedy: torch.Tensor | None  # [rows] bool
     all_greedy: bool
     any_greedy: bool
-    seeded: list[tuple[int, torch.Generator]]  # (row, generator)
+    top_k: torch.Tensor | None = None  # [rows] int64, vocab size where disabled
+    top_p: torch.Tensor | None = None  # [rows] float32
+    min_p: torch.Tensor | None = None  # [rows] float32
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (row, generator)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) forced to -inf
+    allowed: torch.Tensor | None = None  # [rows, vocab] bool, True = allowed (None: all)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, values)
+    penalties: tuple | None = None  # see _penalty_tensors
+    grammar: Any = None  # callable(logits) applying structured-output bitmasks
+    processors: list[tuple[Any, torch.Tensor, list[Request]]] = field(default_factory=list)
 
 
 class DefaultSampler(Sampler):
@@ -34,52 +45,143 @@ class DefaultSampler(Sampler):
         super().__init__(**kwargs)
         self.generators: dict[str, torch.Generator] = {}
 
+    # -- per step: gather parameters ----------------------------------------------------------------
     def prepare(self, requests: Sequence[Request]) -> SamplingState:
         params = [r.sampling_params for r in requests]
-        dev = self.device
+        dev, vocab = self.device, self.vocab_size
         greedy = [p.temperature == 0.0 for p in params]
         all_greedy = all(greedy)
-        if all_greedy:
-            return SamplingState(torch.empty(0), torch.empty(0), None, None, None, True, True, [])
-        vocab = self.vocab_size
-        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
-        top_k = top_p = min_p = None
-        if any(0 < p.top_k < vocab for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).to(dev)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev)
-        seeded = []
-        for row, req in enumerate(requests):
-            seed = req.sampling_params.seed
-            if seed is not None and not greedy[row]:
-                gen = self.generators.get(req.request_id)
-                if gen is None:
-                    gen = torch.Generator(device=dev)
-                    gen.manual_seed(seed)
-                    self.generators[req.request_id] = gen
-                seeded.append((row, gen))
-        return SamplingState(temp.to(dev), torch.tensor(greedy).to(dev), top_k, top_p, min_p,
-                             False, any(greedy), seeded)
+        st = SamplingState(None, None, all_greedy, any(greedy))
+        if not all_greedy:
+            st.temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                          dtype=torch.float32).to(dev)
+            st.greedy = torch.tensor(greedy).to(dev)
+            if any(0 < p.top_k < vocab for p in params):
+                st.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).to(dev)
+            if any(p.top_p < 1.0 for p in params):
+                st.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
+            if any(p.min_p > 0.0 for p in params):
+                st.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev)
+            for row, req in enumerate(requests):
+                seed = req.sampling_params.seed
+                if seed is not None and not greedy[row]:
+                    gen = self.generators.get(req.request_id)
+                    if gen is None:
+                        gen = torch.Generator(device=dev)
+                        gen.manual_seed(seed)
+                        self.generators[req.request_id] = gen
+                    st.seeded.append((row, gen))
+        self._masks(requests, st)
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+            st.penalties = self._penalty_tensors(requests)
+        if any(r.grammar is not None for r in requests):
+            from kvforge.structured_output import grammar_bitmask_applier
+            st.grammar = grammar_bitmask_applier(requests, vocab, dev)
+        if self.get_processor is not None and any(p.logits_processors for p in params):
+            names = sorted({n for p in params for n in (p.logits_processors or [])})
+            for name in names:
+                rows = [i for i, p in enumerate(params) if name in (p.logits_processors or [])]
+                st.processors.append((self.get_processor(name), torch.tensor(rows, device=dev),
+                                      [requests[i] for i in rows]))
+        return st
 
-    def sample(self, logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    def _masks(self, requests: Sequence[Request], st: SamplingState) -> None:
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        bias_rows, bias_ids, bias_vals = [], [], []
+        allowed_rows = []
+        for row, req in enumerate(requests):
+            p = req.sampling_params
+            if p.min_tokens and len(req.output_token_ids) < p.min_tokens:
+                stop_ids = list(p._eos_token_ids) + list(p.stop_token_ids or [])
+                ban_rows += [row] * len(stop_ids)
+                ban_ids += stop_ids
+            if req.bad_words_token_ids:
+                for ids in req.bad_words_token_ids:
+                    prefix = ids[:-1]
+                    if not prefix or req.output_token_ids[-len(prefix):] == prefix:
+                        ban_rows.append(row)
+                        ban_ids.append(ids[-1])
+            if p.logit_bias:
+                bias_rows += [row] * len(p.logit_bias)
+                bias_ids += list(p.logit_bias)
+                bias_vals += list(p.logit_bias.values())
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(row)
+        dev = self.device
+        if ban_rows:
+            st.banned = (torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev))
+        if bias_rows:
+            st.bias = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
+                       torch.tensor(bias_vals, dtype=torch.float32, device=dev))
+        if allowed_rows:
+            allowed = torch.ones(len(requests), self.vocab_size, dtype=torch.bool)
+            for row in allowed_rows:
+                allowed[row] = False
+                allowed[row, requests[row].sampling_params.allowed_token_ids] = True
+            st.allowed = allowed.to(dev)
+
+    def _penalty_tensors(self, requests: Sequence[Request]) -> tuple:
+        """Output-token counts [rows, vocab] and a prompt+output presence mask, from flat index lists."""
+        dev, vocab = self.device, self.vocab_size
+        params = [r.sampling_params for r in requests]
+        out_rows = np.repeat(np.arange(len(requests)), [len(r.output_token_ids) for r in requests])
+        out_ids = np.fromiter((t for r in requests for t in r.output_token_ids), dtype=np.int64,
+                              count=len(out_rows))
+        counts = torch.zeros(len(requests), vocab, dtype=torch.float32, device=dev)
+        if len(out_ids):
+            counts.index_put_((torch.from_numpy(out_rows).to(dev), torch.from_numpy(out_ids).to(dev)),
+                              torch.ones(len(out_ids), device=dev), accumulate=True)
+        seen = counts > 0
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+            pr = np.repeat(rows, [len(requests[i].prompt_token_ids) for i in rows])
+            pi = np.fromiter((t for i in rows for t in requests[i].prompt_token_ids), dtype=np.int64, count=len(pr))
+            seen[torch.from_numpy(pr).to(dev), torch.from_numpy(pi).to(dev)] = True
+        f = lambda name: torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=dev)  # noqa
+        return counts, seen, f("presence_penalty"), f("frequency_penalty"), f("repetition_penalty")
+
+    # -- per step: sample -----------------------------------------------------------------------------
+    def process(self, logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
+        """Everything before temperature: masks, bias, processors, penalties. logits: [rows, vocab]."""
+        if st.banned is not None:
+            logits = logits.index_put(st.banned, torch.tensor(float("-inf"), device=logits.device))
+        if st.allowed is not None:
+            logits = logits.masked_fill(~st.allowed, float("-inf"))
+        if st.grammar is not None:
+            logits = st.grammar(logits)
+        if st.bias is not None:
+            rows, ids, vals = st.bias
+            logits = logits.index_put((rows, ids), vals, accumulate=True)
+        for proc, rows, reqs in st.processors:
+            logits = logits.clone()
+            logits[rows] = proc.apply(logits[rows], reqs)
+        if st.penalties is not None:
+            counts, seen, presence, frequency, repetition = st.penalties
+            rep = repetition[:, None]
+            penalised = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen, penalised, logits)
+            logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+        return logits
+
+    def sample(self, logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
         # logits: [rows, vocab] float32
-        greedy_tokens = logits.argmax(dim=-1) if state.any_greedy else None
-        if state.all_greedy:
+        logits = self.process(logits, st)
+        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
+        if st.all_greedy:
             return greedy_tokens
-        logits = logits / state.temperature[:, None]
-        logits = apply_top_k_top_p(logits, state.top_k, state.top_p)
+        logits = logits / st.temperature[:, None]
+        logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
         probs = torch.softmax(logits, dim=-1)
-        if state.min_p is not None:
+        if st.min_p is not None:
             top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < state.min_p[:, None] * top, 0.0)
+            probs = probs.masked_fill(probs < st.min_p[:, None] * top, 0.0)
         noise = torch.empty_like(probs).exponential_()
-        for row, gen in state.seeded:
+        for row, gen in st.seeded:
             noise[row].exponential_(generator=gen)
         tokens = (probs / noise).argmax(dim=-1)
         if greedy_tokens is not None:
-            tokens = torch.where(state.greedy, greedy_tokens, tokens)
+            tokens = torch.where(st.greedy, greedy_tokens, tokens)
         return tokens
 
     def release(self, request_ids: Iterable[str]) -> None:

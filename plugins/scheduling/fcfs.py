@@ -44,6 +44,10 @@ class FCFSScheduler(Scheduler):
         """The running request to preempt when blocks run out: the newest."""
         return self.running[-1]
 
+    def may_admit(self, out: SchedulerOutput) -> bool:
+        """Whether waiting requests may be admitted after the running ones: not in a step that preempted."""
+        return not out.preempted
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self.take_finished_ids())
         budget = self.max_num_batched_tokens
@@ -72,11 +76,18 @@ class FCFSScheduler(Scheduler):
             # req itself was preempted: the requests after it are gone too (they were newer)
             break
 
-        if not out.preempted:
+        if self.may_admit(out):
+            not_ready = []  # requests whose structured-output grammar is still compiling
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.grammar is not None and not req.grammar.usable:
+                    not_ready.append(self.waiting.popleft())
+                    continue
+                if len(self.running) + 1 + len(req.forks) > self.max_num_seqs:
+                    break  # its n samples will all run once the prompt is done
                 computed, num_cached = [], 0
-                if req.num_computed_tokens == 0:
+                # NOTE: prompt logprobs need every prompt position computed, so no prefix-cache hit
+                if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                     computed, num_cached = kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_cached - req.num_computed_tokens, budget)
                 if self.long_prefill_token_threshold:
@@ -92,6 +103,7 @@ class FCFSScheduler(Scheduler):
                 out.scheduled.append(req)
                 out.num_scheduled_tokens[req.request_id] = num_new
                 budget -= num_new
+            self.waiting.extendleft(reversed(not_ready))
 
         out.blocks_to_copy = kv.take_copies()
         return out

@@ -1,0 +1,76 @@
+"""The CPU swap pool: where the KV blocks of requests preempted by swapping wait.
+
+One tensor per layer with the layer cache's shape (the attention backend's ``kv_cache_shape``) but
+``num_cpu_blocks`` blocks, pinned when the cache is on CUDA so the copies run asynchronously on the
+current stream. A block is index ``[:, block]`` of a layer's tensor, on the device as in the pool.
+The pool is allocated on the first swap, so an engine that never swaps holds no host memory for it.
+
+NOTE: the scheduler frees a swapped-out request's device blocks at once and may hand them to
+another request (or a swap-in) in the same step, and a CPU block released by a swap-in may take a
+swap-out of the same step. ``swap`` is therefore run before any other cache write of the step and
+reads every source first: swap-in sources are staged on the device, then the swap-outs are copied,
+then the staged blocks are written. A request must not be swapped both in and out in one step.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvforge.attention import AttentionBackend
+
+Pairs = Sequence[tuple[int, int]]
+
+
+class CPUSwapSpace:
+    """``num_cpu_blocks`` blocks of every layer in host memory, and the copies in and out of it."""
+
+    def __init__(self, attn: AttentionBackend, num_layers: int, num_cpu_blocks: int):
+        self.attn = attn
+        self.num_layers = num_layers
+        self.num_cpu_blocks = num_cpu_blocks
+        self.caches: list[torch.Tensor] = []  # per layer: kv_cache_shape(num_cpu_blocks), on the CPU
+
+    def _allocate(self) -> None:
+        pin = self.attn.device.type == "cuda" and torch.cuda.is_available()
+        shape = self.attn.kv_cache_shape(self.num_cpu_blocks)
+        # NOTE: empty, not zeros: pages of a large pool are only touched when a block is swapped
+        self.caches = [torch.empty(shape, dtype=self.attn.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+
+    def swap(self, device_caches: list[torch.Tensor], swap_out: Pairs = (), swap_in: Pairs = ()) -> None:
+        """Copy ``(device, cpu)`` blocks out to the pool and ``(cpu, device)`` blocks back, every layer."""
+        if not swap_out and not swap_in:
+            return
+        if not self.caches:
+            if not self.num_cpu_blocks:
+                raise ValueError("swap: the CPU swap pool is empty (swap_space=0)")
+            self._allocate()
+        in_src = [c for c, _ in swap_in]
+        for dev, cpu in zip(device_caches, self.caches):
+            staged = None
+            if swap_in:  # read before the swap-outs may overwrite a CPU block this step released
+                staged = dev.new_empty((dev.shape[0], len(in_src), *dev.shape[2:]))
+                copy_blocks(staged, range(len(in_src)), cpu, in_src)
+            if swap_out:
+                copy_blocks(cpu, [c for _, c in swap_out], dev, [d for d, _ in swap_out])
+            if staged is not None:
+                dev[:, torch.tensor([d for _, d in swap_in], device=dev.device)] = staged
+
+
+def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+    """``dst[:, dst_ids[i]] = src[:, src_ids[i]]`` for tensors of the layer-cache layout.
+
+    On one device: one gather and one scatter. Between the host and CUDA: one asynchronous copy per
+    block and leading index (each ``[j, block]`` slice is contiguous), as vLLM's ``swap_blocks``.
+    """
+    if dst.device == src.device:
+        dst[:, torch.tensor(list(dst_ids), device=dst.device)] = src[:, torch.tensor(list(src_ids), device=src.device)]
+        return
+    copy_blocks_each(dst, dst_ids, src, src_ids)
+
+
+def copy_blocks_each(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+    """The per-block form of :func:`copy_blocks` (non-blocking from and to pinned memory)."""
+    for d, s in zip(dst_ids, src_ids):
+        for j in range(dst.shape[0]):
+            dst[j, d].copy_(src[j, s], non_blocking=True)
