@@ -6,10 +6,16 @@ from kvforge.hookspecs import hookimpl
 from kvforge.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "hookimpl", "RequestOutput", "CompletionOutput", "EngineConfig", "LLMEngine"]
+from kvforge.sampling_params import StructuredOutputsParams
+
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "hookimpl",
+           "RequestOutput", "CompletionOutput", "EngineConfig", "LLMEngine"]
 
 
 def __getattr__(name):  # keep `import kvforge` light: torch-heavy parts load on first use
+    if name in ("BeamSearchParams", "BeamSearchOutput"):
+        from kvforge import beam_search
+        return getattr(beam_search, name)
     if name == "LLM":
         from kvforge.llm import LLM
         return LLM

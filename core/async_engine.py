@@ -65,6 +65,12 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def check_structured_outputs(self, so: Any) -> None:
+        """Compile a constraint now (thread-safe, cached); ``ValueError`` if it is invalid."""
+        if self.engine.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer, and this model has none")
+        self.engine.structured_outputs.check(so)
+
     def get_stats(self) -> dict[str, Any]:
         """A snapshot of engine counters (read without stopping the loop: values may be a step old)."""
         return self.engine.get_stats()

@@ -17,6 +17,7 @@ from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.request import Request, RequestStatus
 from kvforge.sampling_params import SamplingParams
+from kvforge.scheduler import ModelRunnerOutput
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
 
@@ -78,6 +79,7 @@ class LLMEngine:
         self.attn_backend_name = attn_name
         self.num_blocks = num_blocks
         self.outputs = OutputProcessor(self.tokenizer)
+        self.last_runner_output = ModelRunnerOutput()
         self._structured: StructuredOutputManager | None = None
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
@@ -235,6 +237,7 @@ class LLMEngine:
         self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute(sched_out, self.kv_cache)
+        self.last_runner_output = runner_out  # beam search reads the beams' logprobs here
         updated = self.scheduler.update(sched_out, runner_out)
         for req in updated:
             if req.grammar is not None and not req.finished:

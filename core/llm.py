@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from kvforge.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvforge.config import EngineConfig
 from kvforge.engine import LLMEngine
 from kvforge.outputs import RequestOutput
@@ -79,6 +80,20 @@ class LLM:
                                                  chat_template=chat_template)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; each output's ``sequences`` are ranked best first (at most
+        ``beam_width``), with prompt + generated ``tokens``, ``text`` of the generated part and ``score``."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        token_prompts = []
+        for p in prompts:
+            _, ids = self.llm_engine.tokenize(p)
+            if not ids:
+                raise ValueError("prompt: must not be empty")
+            token_prompts.append(ids)
+        return beam_search(self.llm_engine, token_prompts, params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -52,6 +52,7 @@ class Request:
     # n > 1: sample 0 computes the prompt once; when its prefill completes, these samples take its
     # blocks by reference (copy-on-write) and draw their first tokens from the same logits.
     forks: list["Request"] = field(default_factory=list)
+    external_tokens: bool = False  # beam search: the driver appends tokens, not the scheduler
     fork_of: "Request | None" = None
 
     @property

@@ -147,7 +147,7 @@ class Scheduler(ABC):
                 continue
             req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
             token = sampled.get(req.request_id)
-            if token is None:
+            if token is None or req.external_tokens:
                 continue
             req.output_token_ids.append(token)
             updated.append(req)

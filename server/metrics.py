@@ -35,6 +35,21 @@ class _EngineCollector:
         yield counter("kvforge:prefix_cache_queries", "Tokens looked up in the prefix cache.", s["prefix_cache_queries"])
         yield counter("kvforge:prefix_cache_hits", "Tokens found in the prefix cache.", s["prefix_cache_hits"])
         yield counter("kvforge:num_preemptions", "Preemptions of running sequences.", s["num_preemptions"])
+        by_mode = CounterMetricFamily("kvforge:num_preemptions_by_mode", "Preemptions by mode.",
+                                      labels=["model_name", "mode"])
+        for mode in ("recompute", "swap"):
+            by_mode.add_metric([self.model, mode], s[f"num_preemptions_{mode}"])
+        yield by_mode
+        yield counter("kvforge:swapped_out_blocks", "KV blocks copied to the CPU swap pool.",
+                      s["num_swapped_out_blocks"])
+        yield gauge("kvforge:num_requests_swapped", "Sequences whose KV blocks wait in the CPU swap pool.",
+                    s["num_swapped"])
+        by_priority = GaugeMetricFamily("kvforge:num_requests_waiting_by_priority",
+                                        "Sequences waiting to be scheduled, by request priority.",
+                                        labels=["model_name", "priority"])
+        for priority, n in s["waiting_by_priority"].items():
+            by_priority.add_metric([self.model, str(priority)], n)
+        yield by_priority
         yield counter("kvforge:prompt_tokens", "Prompt tokens processed.", s["num_prompt_tokens"])
         yield counter("kvforge:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
 

@@ -124,6 +124,7 @@ class OpenAIServing:
         if top and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         params = self._params(req, max_tokens, top if req.logprobs else None)
+        await self.check_constraint(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         started = self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority)
         created = int(time.time())
@@ -184,6 +185,19 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request_from_value_error(exc)
 
+    async def check_constraint(self, req: Any) -> None:
+        """Compile a structured-output constraint off the event loop (cached for the engine): 400 if invalid."""
+        try:
+            so, field = req.structured()
+        except ValueError as exc:
+            raise bad_request_from_value_error(exc)
+        if so is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.check_structured_outputs, so)
+        except ValueError as exc:
+            raise APIError(400, f"{field}: {exc}", field)
+
     # -- completions ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         model = self.model_name(req.model)
@@ -203,6 +217,7 @@ class OpenAIServing:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
             params.append(self._params(req, max_tokens, lp, lp if (req.echo and lp is not None) else None))
             texts.append(text)
+        await self.check_constraint(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         started = self.start(prompts, params, rid, req.priority)
         created = int(time.time())

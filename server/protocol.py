@@ -5,7 +5,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from kvforge.sampling_params import SamplingParams
+from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Body(BaseModel):
@@ -15,6 +15,26 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's extra field: exactly one of json (schema), regex, choice, json_object."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
 
 
 class _Sampling(_Body):
@@ -36,6 +56,20 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    spaces_between_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    logits_processors: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -45,9 +79,33 @@ class _Sampling(_Body):
             raise ValueError("stop strings must not be empty")
         return v
 
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint, if any, and the field that asked for it."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format: json_schema is required when type is json_schema")
+            return StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"
+        so = self.structured_outputs
+        if so is not None:
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                           json_object=so.json_object), "structured_outputs"
+        for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                return StructuredOutputsParams(**{kw: getattr(self, name)}), name
+        return None, None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        so, _ = self.structured()
         return SamplingParams(
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, structured_outputs=so,
+            logits_processors=self.logits_processors,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,

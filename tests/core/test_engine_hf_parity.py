@@ -59,13 +59,19 @@ def _check(llm, refs, check_no_blocks):
     dict(enable_prefix_caching=False),
     dict(max_num_batched_tokens=32),
     dict(num_gpu_blocks_override=14, max_num_batched_tokens=64),
-], ids=["default", "no-prefix-cache", "chunked-32", "tiny-pool-preempt"])
+    dict(num_gpu_blocks_override=14, max_num_batched_tokens=64, scheduler="priority"),
+    dict(num_gpu_blocks_override=14, max_num_batched_tokens=64, scheduler="priority",
+         plugins={"priority": {"preemption_mode": "swap"}}, swap_space=0.05),
+], ids=["default", "no-prefix-cache", "chunked-32", "tiny-pool-preempt", "priority-recompute", "priority-swap"])
 def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args):
     llm = LLM(device="cpu", **engine_args)
     _check(llm, hf_reference, check_no_blocks)
     stats = llm.llm_engine.get_stats()
     if "num_gpu_blocks_override" in engine_args:
         assert stats["num_preemptions"] > 0
+        swapping = "swap_space" in engine_args
+        assert (stats["num_preemptions_swap"] > 0) == swapping
+        assert (stats["num_swapped_out_blocks"] > 0) == swapping and stats["num_swapped"] == 0
     if engine_args.get("enable_prefix_caching", True) and "num_gpu_blocks_override" not in engine_args:
         # two prompts share a 26-token prefix (one full block)... and a later rerun hits everything
         outs = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)

@@ -151,3 +151,33 @@ def test_metrics_count_tokens(server, client):
     assert metric(server, "kvforge:time_to_first_token_seconds_count") >= 1
     assert metric(server, "kvforge:e2e_request_latency_seconds_count") >= 1
     assert metric(server, "kvforge:inter_token_latency_seconds_count") >= 5
+
+
+def test_sampling_fields_over_http(client):
+    base = dict(model="tiny", prompt="penalties", max_tokens=8, temperature=0)
+    plain = client.completions.create(**base, extra_body=IGNORE_EOS).choices[0].text
+    biased = client.completions.create(**base, logit_bias={"42": 100}, extra_body=IGNORE_EOS)
+    assert biased.choices[0].text == client.completions.create(**base, extra_body=IGNORE_EOS | {
+        "allowed_token_ids": [42]}).choices[0].text
+    pen = client.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0, extra_body=IGNORE_EOS)
+    assert pen.choices[0].text != plain
+    r = client.completions.create(**base, extra_body={"min_tokens": 8, "repetition_penalty": 1.5})
+    assert r.usage.completion_tokens == 8
+
+
+def test_response_format_json_schema(client):
+    import json
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["colour", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json please"}],
+                                       max_tokens=40, seed=1, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "thing", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert obj["colour"] in ("red", "green", "blue") and 0 <= obj["n"] <= 9
+    r = client.completions.create(model="tiny", prompt="pick", max_tokens=10,
+                                  extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.choices[0].text in ("alpha", "beta")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"structured_outputs": {"json": "{bad"}})
+    assert e.value.body["param"] == "structured_outputs"

@@ -1,0 +1,61 @@
+"""Beam search: blocks shared copy-on-write between beams, and the same best sequence as transformers."""
+import os
+
+import pytest
+import torch
+
+from kvforge import LLM, BeamSearchParams
+
+
+def test_beams_share_blocks_and_release_them(tiny_llm, check_no_blocks, monkeypatch):
+    engine = tiny_llm.llm_engine
+    prompt = list(range(200, 240))  # 40 tokens: 3 blocks
+    seen = []
+    real_step = engine.step
+
+    def spy():
+        out = real_step()
+        live = [r for r in engine.scheduler.running if r.external_tokens]
+        if len(live) == 4:
+            blocks = {b for r in live for b in engine.kv_cache.block_table(r.request_id)}
+            seen.append((len(blocks), sum(len(engine.kv_cache.block_table(r.request_id)) for r in live)))
+        return out
+
+    monkeypatch.setattr(engine, "step", spy)
+    out = tiny_llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))[0]
+    assert len(out.sequences) == 4
+    assert all(len(s.tokens) == 46 and s.tokens[:40] == prompt for s in out.sequences)
+    scores = [s.score for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)
+    # 4 beams hold 4 x 3 block-table entries but only the 2 full prompt blocks are shared
+    assert seen and all(distinct < total for distinct, total in seen)
+    check_no_blocks(engine)
+
+
+def test_beam_search_validation(tiny_llm):
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        tiny_llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=10 ** 4))
+
+
+@pytest.mark.slow
+def test_best_beam_matches_transformers(default_model_path, check_no_blocks):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(device="cpu")
+    tok = llm.get_tokenizer()
+    prompts = ["The capital of France is", "def add(a, b):", "My favourite food is"]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=12))
+    d, name = os.path.split(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    for p, out in zip(prompts, outs):
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = model.generate(ids, num_beams=4, max_new_tokens=12, do_sample=False, early_stopping=False,
+                                 length_penalty=1.0, eos_token_id=2, pad_token_id=2)[0].tolist()
+        best = out.sequences[0].tokens
+        n = len(best)
+        assert ref[:n] == best, (p, tok.decode(ref), out.sequences[0].text)
+        assert all(t == 2 for t in ref[n:])  # only padding after our best sequence
+    check_no_blocks(llm.llm_engine)
