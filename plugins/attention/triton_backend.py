@@ -1,0 +1,133 @@
+"""``triton``: kvforge's own paged attention in Triton (CUDA): a varlen prefill kernel and split-K decode.
+
+Per step, ``build_metadata`` splits the batch into decode sequences (one query token; flash-decoding
+with ``num_splits`` KV partitions per sequence and KV head, then a reduce) and prefill chunks (query
+tiles of ``block_q`` tokens x the query heads of one KV head), all with vectorised numpy and one
+host-to-device copy. ``forward`` launches at most four kernels and never loops over sequences.
+Design notes: docs/attention_triton.md; kernels: triton_kernels.py.
+
+CPU testing: the capabilities list only ``cuda``, but while ``TRITON_INTERPRET=1`` is set (before
+triton is first imported) ``validate`` also accepts ``cpu`` (class attribute
+``_allow_cpu_for_interpreter``), so tests can build the backend on the CPU and run the kernels in
+Triton's interpreter. ``auto`` never picks this backend on the CPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+
+
+@dataclass
+class TritonOptions:
+    """``[plugins.triton]`` options."""
+
+    #: decode KV partitions per (sequence, KV head); None picks from batch size, KV heads and context
+    decode_num_splits: int | None = None
+
+    def __post_init__(self):
+        if self.decode_num_splits is not None and not 1 <= self.decode_num_splits <= 64:
+            raise ValueError(f"decode_num_splits must be in [1, 64] or None, got {self.decode_num_splits}")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    capabilities = AttentionCapabilities(
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        head_sizes=(32, 64, 128, 256),
+        block_sizes=(16, 32, 64, 128),
+        # decode launches read only device tensors; their grids depend on the batch size and
+        # num_splits alone (the partitions are computed from seq_lens on the device)
+        supports_cuda_graphs=True,
+    )
+    Options = TritonOptions
+    #: accept device cpu while TRITON_INTERPRET=1 (tests run the kernels in the interpreter)
+    _allow_cpu_for_interpreter: ClassVar[bool] = True
+
+    def __init__(self, *, decode_num_splits: int | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        from kvforge.plugins.attention import triton_kernels
+
+        self._kernels = triton_kernels
+        self.decode_num_splits = TritonOptions(decode_num_splits).decode_num_splits
+        self.tiles = triton_kernels.tile_sizes(self.head_size, self.num_heads // self.num_kv_heads, self.dtype)
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 132  # interpreter: pretend to be an H100 so the heuristic behaves as on one
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        err = _triton_import_error()
+        return [] if err is None else [f"triton is not installed: pip install triton ({err})"]
+
+    @classmethod
+    def validate(cls, *, device, dtype, head_size, block_size) -> list[str]:
+        reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        if (cls._allow_cpu_for_interpreter and torch.device(device).type == "cpu"
+                and os.environ.get("TRITON_INTERPRET") == "1"):
+            reasons = [r for r in reasons if not r.startswith("device cpu")]
+        return reasons
+
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        meta = super().build_metadata(layout)
+        query_lens = layout.query_lens
+        decode = np.flatnonzero(query_lens == 1)
+        prefill = np.flatnonzero(query_lens > 1)
+        # prefill query tiles: tile j covers tokens tile_q0[j] .. + block_q of sequence tile_seq[j]
+        block_q = self.tiles["block_q"]
+        tiles_per_seq = -(-query_lens[prefill] // block_q)
+        tile_seq = np.repeat(prefill, tiles_per_seq)
+        first_tile = np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
+        tile_q0 = (np.arange(len(tile_seq)) - first_tile) * block_q
+        # one host-to-device copy for the three index arrays
+        packed = np.concatenate([decode, tile_seq, tile_q0]).astype(np.int32)
+        t = torch.from_numpy(packed)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        n_dec, n_tiles = len(decode), len(tile_seq)
+        num_splits = self.decode_num_splits
+        if num_splits is None:
+            max_dec_len = int(layout.seq_lens[decode].max()) if n_dec else 0
+            num_splits = self._kernels.choose_num_splits(n_dec, self.num_kv_heads, max_dec_len, self.num_sms)
+        meta.extra.update(
+            decode_seqs=t[:n_dec],  # [num_decodes] int32, sequence index of each decode
+            prefill_tile_seq=t[n_dec:n_dec + n_tiles],  # [num_q_tiles] int32
+            prefill_tile_q0=t[n_dec + n_tiles:],  # [num_q_tiles] int32
+            num_splits=num_splits,
+        )
+        return meta
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        kern, x = self._kernels, meta.extra
+        n = meta.num_tokens
+        # the kernels take any token/head strides but need a contiguous head dimension
+        q, k, v = (t[:n] if t.stride(-1) == 1 else t[:n].contiguous() for t in (q, k, v))
+        # NOTE: every new K/V is written before any attention kernel reads the cache (stream order)
+        kern.reshape_and_cache(k, v, kv_cache, meta.slot_mapping[:n])
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        kern.prefill_attention(q, kv_cache, out, x["prefill_tile_seq"], x["prefill_tile_q0"], meta.query_start_loc,
+                               meta.seq_lens, meta.block_tables, self.scale, self.tiles)
+        kern.decode_attention(q, kv_cache, out, x["decode_seqs"], meta.query_start_loc, meta.seq_lens,
+                              meta.block_tables, self.scale, x["num_splits"], self.tiles)
+        return out

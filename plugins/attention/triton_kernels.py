@@ -1,0 +1,293 @@
+"""Triton kernels of the ``triton`` attention backend, and thin launchers that take device tensors.
+
+Paged cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V); slot
+``s`` is block ``s // block_size``, offset ``s % block_size``. Every kernel takes the query heads of
+one KV head together (GQA), so each K/V tile is loaded once for the whole group. Scores are kept in
+the log2 domain (``qk_scale = scale * log2(e)``, ``exp2``); accumulation is fp32.
+Design notes (grids, tiles, the split-K heuristic): docs/attention_triton.md.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = 256  # a decode split shorter than this costs more in the reduce than it saves
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
+                              stride_kt, stride_kh, stride_vt, stride_vh,
+                              stride_cb, stride_cs, stride_ch,
+                              NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                              HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:  # NOTE: a negative slot marks a padding token: nothing is written
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD)
+        mask = (offs_h < NUM_KV_HEADS)[:, None]
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+            + offs_h[:, None] * stride_ch + offs_d[None, :]
+        k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, n0, seq_len, qpos,
+                 qk_scale, stride_cb, stride_cs, offs_d,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                 CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys ``n0 .. n0 + TILE_N`` of a sequence.
+
+    q: [M, HEAD] (cache dtype); m_i, l_i: [M] fp32 (log2 domain); acc: [M, HEAD] fp32;
+    qpos: [M] absolute query positions (used when CAUSAL). MASKED=False promises every key of the
+    tile is below seq_len and visible to every row.
+    """
+    offs_n = n0 + tl.arange(0, TILE_N)
+    n_mask = offs_n < seq_len
+    if TILE_N <= BLOCK_SIZE:
+        # the tile lies inside one block (TILE_N divides BLOCK_SIZE): one block-table read
+        blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+    else:
+        # the tile spans several blocks: one block id per key (masked keys read entry 0)
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
+    ptrs = rows[:, None] + offs_d[None, :]
+    if MASKED:
+        # NOTE: keys at or past seq_len are never read (other=0) and score -inf, so uninitialised
+        # cache slots cannot leak NaN/inf into the result
+        k = tl.load(k_cache + ptrs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache + ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache + ptrs)
+        v = tl.load(v_cache + ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N] fp32
+    if MASKED:
+        visible = n_mask[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= qpos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr, qsl_ptr, seq_lens_ptr,
+                    bt_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_cb, stride_cs, stride_ch,
+                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (num_q_tiles, num_kv_heads): BLOCK_Q query tokens x GROUP query heads of one sequence."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)  # first query token of the tile, relative to the sequence
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # cached tokens before this chunk
+
+    # row r of the tile is query token q0 + r // GROUP, query head kvh * GROUP + r % GROUP
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q0 + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD)
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    qpos = prefix + tok  # absolute position of each row's query token
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kvh * stride_ch
+    # keys below the tile's first query position are visible to every row: no masks there
+    num_full = (prefix + q0 + 1) // TILE_N
+    kv_end = tl.minimum(seq_len, prefix + tl.minimum(q0 + BLOCK_Q, q_len))  # past the last visible key
+    for t in range(0, num_full):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, t * TILE_N,
+                                     seq_len, qpos, qk_scale, stride_cb, stride_cs, offs_d,
+                                     BLOCK_SIZE, TILE_N, False, True, DOT_PRECISION)
+    for t in range(num_full, tl.cdiv(kv_end, TILE_N)):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, t * TILE_N,
+                                     seq_len, qpos, qk_scale, stride_cb, stride_cs, offs_d,
+                                     BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr,
+                   seq_lens_ptr, bt_ptr, qk_scale, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_bt, stride_cb, stride_cs, stride_ch,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   TILE_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (num_decodes, num_kv_heads, num_splits): one query token, GROUP heads, one KV partition.
+
+    Without SPLIT (num_splits == 1) the result goes straight to out; with it the partial
+    (max, sum, acc) of the partition goes to part_* for _reduce_kernel.
+    """
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(dec_seq_ptr + i)
+    tok = tl.load(qsl_ptr + seq).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)  # BLOCK_G >= 16 for tl.dot; rows past GROUP are padding
+    g_ok = offs_g < GROUP
+    head = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD)
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
+    # the partition is computed from seq_len on the device, so any num_splits is correct for any batch
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    t0 = split * per_split
+    t1 = tl.minimum(t0 + per_split, num_tiles)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(t0, t1):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kvh * stride_ch, t * TILE_N,
+                                     seq_len, 0, qk_scale, stride_cb, stride_cs, offs_d,
+                                     BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION)
+    if not SPLIT:
+        out = acc / l_i[:, None]  # seq_len >= 1: every real row saw a key
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        # part_m, part_l: [num_decodes, num_heads, num_splits]; part_acc: [..., HEAD]. An empty
+        # partition stores m = -inf, l = 0, acc = 0, which the reduce weighs as exactly 0.
+        p = (i * num_heads + head).to(tl.int64) * num_splits + split
+        tl.store(part_m + p, m_i, mask=g_ok)
+        tl.store(part_l + p, l_i, mask=g_ok)
+        tl.store(part_acc + p[:, None] * HEAD + offs_d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr, num_heads, num_splits,
+                   stride_ot, stride_oh, BLOCK_S: tl.constexpr, HEAD: tl.constexpr):
+    """Grid (num_decodes, num_heads): combine the num_splits partials of one query head."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    tok = tl.load(qsl_ptr + tl.load(dec_seq_ptr + i)).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, HEAD)
+    p = (i * num_heads + h).to(tl.int64) * num_splits + offs_s
+    m = tl.load(part_m + p, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l + p, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc + p[:, None] * HEAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 always holds the first key
+    w = tl.exp2(m - m_max)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches get exact products (tf32 would cost ~1e-3); 16-bit inputs ignore the setting
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def tile_sizes(head_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> dict[str, int]:
+    """Static tile sizes for one model: prefill rows (BLOCK_M = BLOCK_Q tokens x GROUP heads), key tiles."""
+    block_m = 128 if head_size <= 128 and dtype != torch.float32 else 64
+    block_m = max(block_m, triton.next_power_of_2(num_queries_per_kv))
+    return {
+        "block_m": block_m,
+        "block_q": block_m // num_queries_per_kv,
+        "prefill_tile_n": 64 if head_size <= 128 else 32,
+        "decode_tile_n": 64 if head_size <= 128 else 32,
+        "block_g": max(16, triton.next_power_of_2(num_queries_per_kv)),
+        "prefill_warps": 8 if block_m >= 128 else 4,
+        "decode_warps": 4,
+        "num_stages": 2,
+    }
+
+
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Decode partitions per (sequence, KV head): about 4 programs per SM (measured on the H200:
+    4 beat 2 by ~10% at batch 1-4), but no partition shorter than MIN_KEYS_PER_SPLIT keys, and 1
+    when the batch alone gives every SM a program."""
+    programs = num_decodes * num_kv_heads
+    if programs == 0 or programs >= num_sms:
+        return 1
+    by_ctx = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(triton.cdiv(4 * num_sms, programs), by_ctx, MAX_SPLITS))
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, kv_heads, head_size]; kv_cache: [2, blocks, block_size, kv_heads, head_size];
+    slot_mapping: [num_tokens] int64 (negative: skip)."""
+    num_tokens, hkv, d = k.shape
+    if num_tokens == 0:
+        return
+    kc, vc = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD=d, BLOCK_SIZE=kc.shape[1])
+
+
+def prefill_attention(q, kv_cache, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables,
+                      scale: float, tiles: dict[str, int]) -> None:
+    """q, out: [num_tokens, heads, head_size]; tile_seq, tile_q0: [num_q_tiles] int32 (sequence,
+    first query token of each tile, from the backend's build_metadata)."""
+    num_tiles = tile_seq.shape[0]
+    if num_tiles == 0:
+        return
+    kc, vc = kv_cache[0], kv_cache[1]
+    hkv = kc.shape[2]
+    _prefill_kernel[(num_tiles, hkv)](
+        q, kc, vc, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        GROUP=q.shape[1] // hkv, BLOCK_Q=tiles["block_q"], BLOCK_M=tiles["block_m"], HEAD=q.shape[2],
+        BLOCK_SIZE=kc.shape[1], TILE_N=tiles["prefill_tile_n"], DOT_PRECISION=_dot_precision(kc.dtype),
+        num_warps=tiles["prefill_warps"], num_stages=tiles["num_stages"])
+
+
+def decode_attention(q, kv_cache, out, dec_seq, query_start_loc, seq_lens, block_tables, scale: float,
+                     num_splits: int, tiles: dict[str, int]) -> None:
+    """Flash-decoding over the sequences ``dec_seq`` ([num_decodes] int32, one query token each)."""
+    n = dec_seq.shape[0]
+    if n == 0:
+        return
+    kc, vc = kv_cache[0], kv_cache[1]
+    hkv = kc.shape[2]
+    heads, d = q.shape[1], q.shape[2]
+    if num_splits > 1:
+        part_m = torch.empty(n, heads, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(n, heads, num_splits, d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused by the kernel without SPLIT
+    _decode_kernel[(n, hkv, num_splits)](
+        q, kc, vc, out, part_m, part_l, part_acc, dec_seq, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E, heads, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+        GROUP=heads // hkv, BLOCK_G=tiles["block_g"], HEAD=d, BLOCK_SIZE=kc.shape[1],
+        TILE_N=tiles["decode_tile_n"], SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(kc.dtype),
+        num_warps=tiles["decode_warps"], num_stages=tiles["num_stages"])
+    if num_splits > 1:
+        _reduce_kernel[(n, heads)](
+            out, part_m, part_l, part_acc, dec_seq, query_start_loc, heads, num_splits, out.stride(0),
+            out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits), HEAD=d, num_warps=4)

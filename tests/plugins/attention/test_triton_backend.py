@@ -1,0 +1,207 @@
+"""The ``triton`` backend's kernels in Triton's CPU interpreter, against the ``torch`` reference (float32).
+
+NOTE: the interpreter must be on (TRITON_INTERPRET=1) before triton.language is first imported, and
+must stay off for every other test of the session (a GPU run, other triton users). So the kernel
+tests run only where TRITON_INTERPRET=1 is set for the whole process: test_kernels_in_interpreter
+re-runs this file in a fresh Python process with it set. To debug one case directly:
+TRITON_INTERPRET=1 python -m pytest tests/plugins/attention/test_triton_backend.py -k mixed
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge.attention import BatchLayout
+from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
+from kvforge.plugins.attention.triton_backend import TritonAttentionBackend
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in test_kernels_in_interpreter's subprocess")
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the interpreter")
+def test_kernels_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and " skipped" in proc.stdout  # and the parent-only test skipped
+
+
+@pytest.fixture
+def scalar_index_patch():
+    """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)``, which numpy >= 2.4
+    refuses for its 1-element scalar arrays (later Triton releases squeeze first); patch that for
+    these tests only. The kernels are unchanged."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patch)
+        yield
+
+
+NUM_BLOCKS = 96
+# (cached prefix, new query tokens) per sequence: a fresh prefill spanning several query tiles, a
+# chunk after a cached prefix, a chunk whose prefix covers a whole key tile, decodes of varied length
+MIXED = [(0, 70), (45, 20), (100, 9), (0, 1), (70, 1), (130, 1), (5, 1), (600, 1)]
+
+
+def _backends(block_size, num_heads=4, num_kv_heads=2, head_size=64, **options):
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=head_size ** -0.5,
+              block_size=block_size, dtype=torch.float32, device=torch.device("cpu"))
+    return TorchAttentionBackend(**kw), TritonAttentionBackend(**kw, **options)
+
+
+def _layout(specs, block_size, rng):
+    """A BatchLayout whose sequences own random, shuffled physical blocks."""
+    blocks = rng.permutation(NUM_BLOCKS)
+    tables, slots, used = [], [], 0
+    for prefix, q_len in specs:
+        n = -(-(prefix + q_len) // block_size)
+        table = blocks[used:used + n]
+        used += n
+        assert used <= NUM_BLOCKS
+        tables.append(table)
+        pos = np.arange(prefix, prefix + q_len)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max(len(t) for t in tables)
+    bt = np.zeros((len(specs), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = t
+    q_lens = np.array([q for _, q in specs])
+    return BatchLayout(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                       seq_lens=np.array([p + q for p, q in specs], dtype=np.int32),
+                       block_tables=bt, slot_mapping=np.concatenate(slots).astype(np.int64))
+
+
+def _run_both(specs, block_size, seed=0, **kw):
+    """Outputs and caches of both backends on the same batch. The triton cache starts with NaN in
+    every slot outside the sequences' contexts, so any read past seq_len would show up."""
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    ref, tri = _backends(block_size, **kw)
+    layout = _layout(specs, block_size, rng)
+    t, h, hkv, d = layout.num_tokens, ref.num_heads, ref.num_kv_heads, ref.head_size
+    q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    cache_ref = torch.randn(ref.kv_cache_shape(NUM_BLOCKS))
+    cache_tri = torch.full_like(cache_ref, float("nan"))
+    flat_ref, flat_tri = cache_ref.view(2, -1, hkv, d), cache_tri.view(2, -1, hkv, d)
+    for i, (prefix, q_len) in enumerate(specs):
+        pos = np.arange(prefix + q_len)
+        ctx = torch.from_numpy(layout.block_tables[i, pos // block_size] * block_size + pos % block_size)
+        flat_tri[:, ctx] = flat_ref[:, ctx]
+    out_ref = ref.forward(q, k, v, cache_ref, ref.build_metadata(layout))
+    meta = tri.build_metadata(layout)
+    out_tri = tri.forward(q, k, v, cache_tri, meta)
+    return out_ref, out_tri, cache_ref, cache_tri, layout, meta
+
+
+@interpreted
+@pytest.mark.usefixtures("scalar_index_patch")
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_mixed_batch_matches_torch(block_size):
+    out_ref, out_tri, cache_ref, cache_tri, layout, meta = _run_both(MIXED, block_size)
+    assert meta.extra["num_splits"] == 2  # 5 decodes x 2 KV heads leave the SMs idle: split-K
+    torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
+    slots = torch.from_numpy(layout.slot_mapping)
+    flat = (2, -1) + cache_ref.shape[3:]
+    torch.testing.assert_close(cache_tri.view(flat)[:, slots], cache_ref.view(flat)[:, slots], atol=0, rtol=0)
+
+
+@interpreted
+@pytest.mark.usefixtures("scalar_index_patch")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_forced_splits(splits):
+    # 3 splits of a 1-token or 5-token context leave empty partitions, which the reduce must ignore
+    specs = [(0, 1), (5, 1), (64, 1), (200, 1)]
+    out_ref, out_tri, *_, meta = _run_both(specs, 16, seed=1, decode_num_splits=splits)
+    assert meta.extra["num_splits"] == splits
+    torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
+
+
+@interpreted
+@pytest.mark.usefixtures("scalar_index_patch")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 1)])
+def test_gqa_groups(num_heads, num_kv_heads):
+    # MHA, a group that is not a power of two, and multi-query attention
+    specs = [(20, 13), (40, 1), (3, 1)]
+    out_ref, out_tri, *_ = _run_both(specs, 32, seed=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     head_size=32)
+    torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
+
+
+@interpreted
+@pytest.mark.usefixtures("scalar_index_patch")
+def test_padded_tokens_and_strided_q():
+    # the runner may pass more rows than meta.num_tokens, and q as a view of a fused qkv tensor
+    rng = np.random.default_rng(3)
+    ref, tri = _backends(16, head_size=32)
+    layout = _layout([(10, 6), (30, 1)], 16, rng)
+    t = layout.num_tokens
+    qkv = torch.randn(t + 3, (4 + 2 + 2) * 32)
+    q = qkv[:, :128].view(t + 3, 4, 32)
+    k, v = qkv[:, 128:192].view(t + 3, 2, 32), qkv[:, 192:].view(t + 3, 2, 32)
+    cache = torch.randn(ref.kv_cache_shape(NUM_BLOCKS))
+    cache2 = cache.clone()
+    out_ref = ref.forward(q, k, v, cache, ref.build_metadata(layout))
+    out_tri = tri.forward(q, k, v, cache2, tri.build_metadata(layout))
+    assert out_tri.shape == (t, 4, 32)
+    torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
+
+
+@interpreted
+@pytest.mark.usefixtures("scalar_index_patch")
+def test_reshape_and_cache_writes_exactly_the_slots():
+    from kvforge.plugins.attention.triton_kernels import reshape_and_cache
+
+    cache = torch.full((2, 6, 16, 3, 32), -7.0)
+    k, v = torch.randn(5, 3, 32), torch.randn(5, 3, 32)
+    slots = torch.tensor([17, 3, 95, -1, 40])  # -1: a padding token, written nowhere
+    reshape_and_cache(k, v, cache, slots)
+    expect = torch.full((2, 6 * 16, 3, 32), -7.0)
+    keep = slots >= 0
+    expect[0, slots[keep]] = k[keep]
+    expect[1, slots[keep]] = v[keep]
+    assert torch.equal(cache.view(2, -1, 3, 32), expect)
+
+
+@interpreted  # pure arithmetic, but its module imports triton: keep that import out of this process
+def test_choose_num_splits():
+    from kvforge.plugins.attention.triton_kernels import choose_num_splits
+
+    assert choose_num_splits(64, 8, 16384, 132) == 1  # the batch alone fills the SMs
+    assert choose_num_splits(4, 8, 200, 132) == 1  # context too short to split
+    assert choose_num_splits(2, 8, 16384, 132) == 33  # ~4 programs per SM
+    assert choose_num_splits(1, 8, 1024, 132) == 4  # no split below 256 keys
+    assert choose_num_splits(1, 1, 1 << 20, 132) == 64  # capped
+
+
+def test_validate_and_options(monkeypatch):
+    kw = dict(dtype=torch.float16, head_size=128, block_size=16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttentionBackend.validate(device="cpu", **kw) == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert any("device cpu" in r for r in TritonAttentionBackend.validate(device="cpu", **kw))
+    reasons = TritonAttentionBackend.validate(device="cuda", dtype=torch.float16, head_size=80, block_size=8)
+    assert any("head size 80" in r for r in reasons) and any("block size 8" in r for r in reasons)
+    with pytest.raises(ValueError, match="decode_num_splits"):
+        TritonAttentionBackend.Options(decode_num_splits=0)
+
+
+def test_registered():
+    from kvforge.plugin_manager import get_plugin_manager
+
+    assert get_plugin_manager().get("attention_backend", "triton") is TritonAttentionBackend
