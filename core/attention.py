@@ -146,6 +146,17 @@ class AttentionBackend(ABC):
             slot_mapping=to_dev(layout.slot_mapping),
         )
 
+    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """Metadata for capturing a decode-only CUDA graph of ``layout.num_seqs`` rows (backends with
+        ``supports_cuda_graphs``): its tensors are the graph's static inputs, refreshed in place by
+        :meth:`update_graph_metadata` before each replay. Padding rows have slot -1 (write nothing)."""
+        return self.build_metadata(layout)
+
+    def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
+        """Copy a same-shaped decode layout into ``meta``'s tensors in place (no new allocations)."""
+        for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+            getattr(meta, name).copy_(torch.from_numpy(getattr(layout, name)), non_blocking=True)
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -48,6 +48,8 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
     max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for.
+    enforce_eager: never use CUDA graphs (by default decode-only steps replay graphs captured at
+        batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, when the attention backend allows).
     attention_backend / scheduler / sampler / kv_cache_manager: plugin names.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
@@ -68,6 +70,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    enforce_eager: bool = False
     attention_backend: str = "auto"
     scheduler: str = "fcfs"
     sampler: str = "default"

@@ -69,6 +69,10 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.runner.initialize_kv_cache(num_blocks)
+        self.cuda_graph_capture_s = None
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and attn_cls.capabilities.supports_cuda_graphs):
+            self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(config.max_num_seqs, max_len)
         num_cpu_blocks = self.runner.initialize_swap_space(config.swap_space)
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,

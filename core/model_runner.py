@@ -31,6 +31,8 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = attn.block_size
+        self.graphs = None  # a CUDAGraphRunner once captured
+        self.timing: dict[str, float] | None = None  # per-phase seconds, when profiling
         self.swap_space: CPUSwapSpace | None = None
 
     # -- KV cache sizing -------------------------------------------------------------------------
@@ -95,6 +97,14 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers)
 
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Capture decode graphs (CUDA and a backend that supports them); returns the seconds it took."""
+        from kvforge.cuda_graphs import CUDAGraphRunner
+
+        self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len, device=self.device)
+        return self.graphs.capture()
+
     def initialize_swap_space(self, swap_space_gib: float) -> int:
         """Size the CPU swap pool (allocated on its first use); returns its number of blocks."""
         num_cpu_blocks = int(swap_space_gib * GiB) // self.bytes_per_block()
@@ -120,11 +130,15 @@ class ModelRunner:
             return ModelRunnerOutput()
         self.attn.copy_blocks(self.kv_caches, out.blocks_to_copy)
         layout, input_ids, positions, sample_rows, sample_reqs = self._layout(out, kv)
-        meta = self.attn.build_metadata(layout)
         dev = self.device
-        ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [num_tokens, hidden]
+        if self.graphs is not None and self.graphs.can_run(layout) and not any(
+                r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
+            hidden = self.graphs.run(layout, input_ids, positions)  # decode-only: replay a graph
+        else:
+            meta = self.attn.build_metadata(layout)
+            ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+            pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [num_tokens, hidden]
         result = ModelRunnerOutput()
         self._prompt_logprobs(out, layout, hidden, result)
         if not sample_rows:

@@ -117,6 +117,15 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return meta
 
+    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """A captured decode graph keeps its grid: pick the split count for the longest context it may see."""
+        meta = self.build_metadata(layout)
+        if self.decode_num_splits is None:
+            max_ctx = layout.block_tables.shape[1] * self.block_size
+            meta.extra["num_splits"] = self._kernels.choose_num_splits(layout.num_seqs, self.num_kv_heads,
+                                                                       max_ctx, self.num_sms)
+        return meta
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         kern, x = self._kernels, meta.extra

@@ -1,0 +1,180 @@
+"""``flash_attn``: paged attention through FlashAttention, one varlen call per layer for the whole
+mixed batch (prefill chunks, cached prefixes and decodes alike).
+
+Three implementations, the first importable one wins (or the ``implementation`` option picks one):
+
+- ``fa4``: ``flash_attn.cute.flash_attn_varlen_func`` (``flash-attn-4``, Hopper/Blackwell) with
+  ``page_table`` and ``seqused_k``; block sizes 16, 32, 64, 128; head sizes 64, 128.
+- ``fa3``: ``flash_attn_interface.flash_attn_with_kvcache`` (FA3's ``hopper/`` build) with
+  ``page_table``, ``cache_seqlens`` and ``cu_seqlens_q``; block sizes 16, 32, 64, 128, 256; head sizes 64, 128, 256.
+- ``fa2``: ``flash_attn.flash_attn_varlen_func`` (``flash-attn`` 2.x) with ``block_table`` and
+  ``cu_seqlens_k``; block sizes that are multiples of 256; head sizes 64, 128, 256.
+
+FA4's paged path takes any page size (TMA when it equals the kernel's tile, cp.async otherwise); 16
+and 128 were verified on the H200 (shared/gpu/README.md), 32 and 64 take the same cp.async path as 16
+(tests/gpu/test_gpu_backends.py checks all four). FA2's paged kernels refuse block sizes that
+are not a multiple of 256 ("Paged KV cache block size must be divisible by 256", flash_api.cpp). FA4's
+SM100 head-256 kernel takes no ``seqused_k``, hence 64 and 128 only.
+
+All three align ``causal=True`` bottom-right when a sequence has more keys than queries (FA2 onward:
+query ``i`` of ``q_len`` over ``k_len`` keys sees keys ``<= k_len - q_len + i``), which is exactly a
+chunk after a cached prefix, and a decode token seeing its whole context.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+
+INSTALL_HINT = ("flash_attn is not installed: pip install flash-attn-4 (FlashAttention-4, Hopper/Blackwell) "
+                "or pip install flash-attn")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One FlashAttention generation: where its function lives and what its paged path accepts."""
+
+    module: str
+    function: str
+    head_sizes: tuple[int, ...]
+    min_compute_capability: tuple[int, int]
+    block_sizes: tuple[int, ...] | None = None  # None: any multiple of block_size_multiple
+    block_size_multiple: int = 1
+
+
+IMPLEMENTATIONS = {  # preference order for "auto"
+    "fa4": Implementation("flash_attn.cute", "flash_attn_varlen_func", (64, 128), (9, 0),
+                          block_sizes=(16, 32, 64, 128)),
+    "fa3": Implementation("flash_attn_interface", "flash_attn_with_kvcache", (64, 128, 256), (9, 0),
+                          block_sizes=(16, 32, 64, 128, 256)),
+    "fa2": Implementation("flash_attn", "flash_attn_varlen_func", (64, 128, 256), (8, 0), block_size_multiple=256),
+}
+
+
+def load_function(impl: str) -> Callable[..., Any] | None:
+    """The implementation's attention function, or None if it does not import."""
+    spec = IMPLEMENTATIONS[impl]
+    try:
+        return getattr(importlib.import_module(spec.module), spec.function)
+    except (ImportError, AttributeError):  # AttributeError: flash_attn present only as FA4's namespace
+        return None
+
+
+def implementation_reasons(impl: str, *, device: torch.device, head_size: int, block_size: int) -> list[str]:
+    """Why implementation ``impl`` refuses this setup (not installed, block size, head size, compute
+    capability); empty if it accepts."""
+    spec = IMPLEMENTATIONS[impl]
+    if load_function(impl) is None:
+        return [f"flash_attn {impl} is not installed ({spec.module}.{spec.function})"]
+    reasons = []
+    if spec.block_sizes is not None and block_size not in spec.block_sizes:
+        reasons.append(f"block size {block_size} not supported by flash_attn {impl}: not in {spec.block_sizes}")
+    if block_size % spec.block_size_multiple:
+        reasons.append(f"block size {block_size} not supported by flash_attn {impl}: not a multiple of "
+                       f"{spec.block_size_multiple}")
+    if head_size not in spec.head_sizes:
+        reasons.append(f"head size {head_size} not supported by flash_attn {impl} {spec.head_sizes}")
+    # NOTE: no CUDA call unless CUDA is there: validate runs on CPU-only machines too
+    if device.type == "cuda" and torch.cuda.is_available():
+        cc = torch.cuda.get_device_capability(device)
+        if cc < spec.min_compute_capability:
+            reasons.append(f"compute capability {cc} below {spec.min_compute_capability} for flash_attn {impl}")
+    return reasons
+
+
+def choose_implementation(implementation: str, *, device: torch.device | str, head_size: int,
+                          block_size: int) -> tuple[str | None, list[str]]:
+    """``(name, [])`` for the implementation to use (``auto``: the first installed one that accepts),
+    or ``(None, reasons)`` when none does."""
+    names = [n for n in IMPLEMENTATIONS if load_function(n) is not None] if implementation == "auto" \
+        else [implementation]
+    reasons: list[str] = []
+    for name in names:
+        refused = implementation_reasons(name, device=torch.device(device), head_size=head_size,
+                                         block_size=block_size)
+        if not refused:
+            return name, []
+        reasons += refused
+    return None, reasons or [INSTALL_HINT]
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+    # what every implementation shares; block and head sizes depend on the one installed (validate)
+    capabilities = AttentionCapabilities(
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        supports_cuda_graphs=False,
+        min_compute_capability=(8, 0),
+    )
+
+    @dataclass
+    class Options:
+        """``[plugins.flash_attn]`` options."""
+
+        implementation: str = "auto"  # auto (fa4 > fa3 > fa2, the first installed), fa4, fa3 or fa2
+
+        def __post_init__(self) -> None:
+            if self.implementation not in ("auto", *IMPLEMENTATIONS):
+                raise ValueError(f"implementation must be one of auto, {', '.join(IMPLEMENTATIONS)}; "
+                                 f"got {self.implementation!r}")
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        return [] if any(load_function(n) is not None for n in IMPLEMENTATIONS) else [INSTALL_HINT]
+
+    @classmethod
+    def validate(cls, *, device, dtype, head_size, block_size) -> list[str]:
+        """The base checks, then: some installed implementation accepts the block and head size."""
+        reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        if INSTALL_HINT in reasons:
+            return reasons
+        return reasons + choose_implementation("auto", device=device, head_size=head_size,
+                                               block_size=block_size)[1]
+
+    def __init__(self, *, implementation: str = "auto", **kwargs):
+        impl, reasons = choose_implementation(implementation, device=kwargs["device"],
+                                              head_size=kwargs["head_size"], block_size=kwargs["block_size"])
+        if reasons:
+            raise ValueError(f"attention backend 'flash_attn' cannot run this model: {'; '.join(reasons)}")
+        super().__init__(**kwargs)
+        self.implementation = impl
+        self._fn = load_function(impl)
+
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        meta = super().build_metadata(layout)
+        if self.implementation == "fa2":  # FA2's paged varlen reads key lengths from cu_seqlens_k
+            cu_k = np.zeros(layout.num_seqs + 1, dtype=np.int32)
+            np.cumsum(layout.seq_lens, out=cu_k[1:])
+            t = torch.from_numpy(cu_k)
+            cuda = self.device.type == "cuda"
+            meta.extra["cu_seqlens_k"] = (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
+        return meta
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        n = meta.num_tokens
+        q = q[:n]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
+        hkv, d = self.num_kv_heads, self.head_size
+        # NOTE: every new K/V of the step is written before the kernel reads the cache
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], k[:n])
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], v[:n])
+        if self.implementation == "fa4":
+            out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
+                           page_table=meta.block_tables, max_seqlen_q=meta.max_query_len,
+                           max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=True)
+        elif self.implementation == "fa3":
+            out = self._fn(q, k_cache, v_cache, cache_seqlens=meta.seq_lens, page_table=meta.block_tables,
+                           cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+                           softmax_scale=self.scale, causal=True)
+        else:
+            out = self._fn(q, k_cache, v_cache, meta.query_start_loc, meta.extra["cu_seqlens_k"],
+                           meta.max_query_len, meta.max_seq_len, softmax_scale=self.scale, causal=True,
+                           block_table=meta.block_tables)
+        return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)

@@ -1,0 +1,185 @@
+"""``flashinfer``: paged attention through FlashInfer's batch prefill and batch decode wrappers (CUDA).
+
+Per step, :meth:`FlashInferAttentionBackend.build_metadata` splits the batch into decode sequences
+(one query token) and the rest (prefill chunks, with or without a cached prefix) and plans each
+wrapper once; every layer's :meth:`~FlashInferAttentionBackend.forward` then only launches kernels.
+The cache keeps kvforge's default layout, so K and V are each NHD pages
+``[num_blocks, block_size, kv_heads, head_size]`` and are passed to FlashInfer as a ``(k, v)`` tuple.
+
+Facts relied on (flashinfer-python 0.7.x; verified on the H200, see shared/gpu/README.md):
+``plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+num_kv_heads, head_dim, page_size, causal=, sm_scale=, q_data_type=, kv_data_type=)`` takes host
+index arrays (``1 <= last_page_len <= page_size``); ``causal=True`` aligns the mask bottom-right
+(query ``i`` of a ``q_len`` chunk over ``kv_len`` keys sees keys ``<= kv_len - q_len + i``), which is
+what a chunk after a cached prefix needs; ``run(q, (k_cache, v_cache), out=)``. The first plan of a
+dtype/head size JIT-compiles (minutes, then cached under ~/.cache/flashinfer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+
+INSTALL_HINT = "flashinfer is not installed: pip install flashinfer-python"
+
+
+# -- host-side planning (pure numpy, tested on the CPU) -------------------------------------------
+def plan_paged_indices(seq_lens: np.ndarray, block_tables: np.ndarray,
+                       block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashInfer's CSR page table for sequences of ``seq_lens`` (each >= 1) tokens.
+
+    Returns ``(indptr [n+1] int32, indices [indptr[-1]] int32, last_page_len [n] int32)``: sequence
+    ``i`` uses pages ``indices[indptr[i]:indptr[i+1]]`` (the first ``ceil(seq_len / block_size)``
+    entries of its block-table row), the last one holding ``last_page_len[i]`` tokens.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    num_pages = -(-seq_lens // block_size)
+    indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    # row-major boolean indexing concatenates each row's first num_pages[i] entries, in row order
+    used = np.arange(block_tables.shape[1])[None, :] < num_pages[:, None]
+    indices = np.ascontiguousarray(block_tables[used], dtype=np.int32)
+    last_page_len = ((seq_lens - 1) % block_size + 1).astype(np.int32)
+    return indptr, indices, last_page_len
+
+
+def token_indices(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """Flat-batch token indices of sequences ``seqs`` (ascending), concatenated in that order."""
+    starts = query_start_loc[seqs].astype(np.int64)
+    lens = query_start_loc[seqs + 1].astype(np.int64) - starts
+    if not len(lens):
+        return np.zeros(0, dtype=np.int64)
+    # index j of the output belongs to sequence k: starts[k] + (j - offset of k in the output)
+    offsets = np.cumsum(lens) - lens
+    return np.repeat(starts - offsets, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+
+
+def as_slice(tokens: np.ndarray) -> slice | None:
+    """``tokens`` as a slice when they form one contiguous ascending run, else None."""
+    if len(tokens) and tokens[-1] - tokens[0] + 1 == len(tokens):
+        return slice(int(tokens[0]), int(tokens[-1]) + 1)
+    return None
+
+
+Tokens = slice | torch.Tensor  # a contiguous run of the flat batch, or [n] int64 device indices
+
+
+@dataclass
+class FlashInferPlan:
+    """``meta.extra["flashinfer"]``: the flat-batch tokens each wrapper reads and writes this step
+    (None: no such sequences). The plans themselves live in the wrappers."""
+
+    step: int  # the backend's plan counter when this was built
+    decode: Tokens | None
+    prefill: Tokens | None
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+    capabilities = AttentionCapabilities(
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        head_sizes=(64, 128, 256),
+        block_sizes=(16, 32, 64, 128),
+        # NOTE: not yet. Replaying a captured decode graph needs build_graph_metadata and
+        # update_graph_metadata: a decode wrapper per captured size built with use_cuda_graph=True
+        # over fixed index buffers and re-planned before each replay, and a K/V write that skips the
+        # padding rows' slot -1 (index_copy_ cannot). Until then graphs would replay a stale plan.
+        supports_cuda_graphs=False,
+        min_compute_capability=(8, 0),
+    )
+
+    @dataclass
+    class Options:
+        """``[plugins.flashinfer]`` options."""
+
+        workspace_mib: int = 128  # float workspace shared by both wrappers (split-KV partials)
+        decode_use_tensor_cores: bool = False  # FlashInfer's tensor-core decode (prefill kernel)
+
+        def __post_init__(self) -> None:
+            if not isinstance(self.workspace_mib, int) or self.workspace_mib < 16:
+                raise ValueError(f"workspace_mib must be an integer >= 16, got {self.workspace_mib!r}")
+            if not isinstance(self.decode_use_tensor_cores, bool):
+                raise ValueError(f"decode_use_tensor_cores must be true or false, "
+                                 f"got {self.decode_use_tensor_cores!r}")
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError as exc:
+            if getattr(exc, "name", None) == "flashinfer":
+                return [INSTALL_HINT]
+            return [f"flashinfer failed to import: {exc!r}"]
+        return []
+
+    def __init__(self, *, workspace_mib: int = 128, decode_use_tensor_cores: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        import flashinfer
+
+        # NOTE: FlashInfer wants the float workspace zeroed before its first use
+        self._workspace = torch.zeros(workspace_mib << 20, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=decode_use_tensor_cores)
+        self._step = 0
+
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        meta = super().build_metadata(layout)
+        self._step += 1
+        qsl = layout.query_start_loc
+        query_lens = layout.query_lens
+        decode = np.flatnonzero(query_lens == 1)
+        prefill = np.flatnonzero(query_lens > 1)
+        # after the index arrays: num_qo_heads, num_kv_heads, head_dim, page_size (positional in
+        # both wrappers' plan); the rest by keyword
+        shape = (self.num_heads, self.num_kv_heads, self.head_size, self.block_size)
+        kwargs = dict(sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        plan = FlashInferPlan(self._step, None, None)
+        if len(decode):
+            pages = plan_paged_indices(layout.seq_lens[decode], layout.block_tables[decode], self.block_size)
+            self._decode.plan(*map(torch.from_numpy, pages), *shape, **kwargs)
+            plan.decode = self._tokens(qsl[decode].astype(np.int64))
+        if len(prefill):
+            pages = plan_paged_indices(layout.seq_lens[prefill], layout.block_tables[prefill], self.block_size)
+            qo_indptr = np.zeros(len(prefill) + 1, dtype=np.int32)
+            np.cumsum(query_lens[prefill], out=qo_indptr[1:])
+            self._prefill.plan(torch.from_numpy(qo_indptr), *map(torch.from_numpy, pages), *shape,
+                               causal=True, **kwargs)
+            plan.prefill = self._tokens(token_indices(qsl, prefill))
+        meta.extra["flashinfer"] = plan
+        return meta
+
+    def _tokens(self, tokens: np.ndarray) -> Tokens:
+        contiguous = as_slice(tokens)
+        if contiguous is not None:
+            return contiguous
+        t = torch.from_numpy(tokens)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=self.device.type == "cuda")
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        plan: FlashInferPlan = meta.extra["flashinfer"]
+        if plan.step != self._step:
+            raise RuntimeError("flashinfer: metadata from an earlier step; the wrappers hold one step's plan")
+        n = meta.num_tokens
+        q = q[:n].contiguous()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
+        hkv, d = self.num_kv_heads, self.head_size
+        # NOTE: every new K/V of the step is written before either wrapper reads the cache
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], k[:n])
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], v[:n])
+        out = torch.empty_like(q)
+        for wrapper, tokens in ((self._decode, plan.decode), (self._prefill, plan.prefill)):
+            if tokens is None:
+                continue
+            if isinstance(tokens, slice):
+                wrapper.run(q[tokens], (k_cache, v_cache), out=out[tokens])
+            else:  # interleaved in the batch: gather the queries, scatter the outputs
+                out[tokens] = wrapper.run(q.index_select(0, tokens), (k_cache, v_cache))
+        return out
