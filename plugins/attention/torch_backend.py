@@ -54,23 +54,27 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:num_tokens], v)
         out = torch.empty_like(q)
         gqa = self.num_heads != hkv
+        # NOTE: the reference computes attention in float32 whatever the cache dtype (SDPA's math path
+        # would otherwise round scores and probabilities to bf16/fp16)
+        acc = torch.float32
+        q = q.to(acc)
 
         decode = meta.extra.get("decode")
         if decode is not None:
             tok_idx, tables, lens, max_len = decode
             n = tables.shape[0]
             # keys: [n, kv_heads, max_len, head_size]
-            keys = k_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2)
-            vals = v_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2)
+            keys = k_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2).to(acc)
+            vals = v_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2).to(acc)
             mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
             qd = q[tok_idx].unsqueeze(2)  # [n, heads, 1, head_size]
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            out[tok_idx] = o.squeeze(2)
+            out[tok_idx] = o.squeeze(2).to(out.dtype)
 
         for start, end, ctx_len, blocks in meta.extra["prefill"]:
             q_len = end - start
-            keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
-            vals = v_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)
+            keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1).to(acc)  # [kv_heads, ctx, d]
+            vals = v_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1).to(acc)
             qp = q[start:end].transpose(0, 1)  # [heads, q_len, d]
             if ctx_len == q_len:
                 o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, scale=self.scale, enable_gqa=gqa)
@@ -79,5 +83,5 @@ class TorchAttentionBackend(AttentionBackend):
                 qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o.transpose(0, 1).to(out.dtype)
         return out

