@@ -1,0 +1,12 @@
+"""``kvforge bench``: throughput, latency and serving benchmarks, with transformers as the peer.
+
+Modules: ``workloads`` (seeded random-token requests), ``metrics`` (percentiles, roofline),
+``report`` (table, JSON, plot), ``peers`` (transformers ``generate`` and continuous batching),
+``throughput``, ``latency`` and ``serve`` (one per subcommand) and ``cli`` (the argparse entry point,
+registered in the ``kvforge.cli`` group). docs/benchmarks.md describes the commands and columns.
+"""
+
+#: ``--dataset`` choices (kvforge.bench.workloads) and ``--vs`` choices (kvforge.bench.peers); here so
+#: that building the ``kvforge`` parser imports no torch
+DATASETS = ("fixed", "uniform", "shared-prefix")
+PEERS = ("hf-generate", "hf-continuous")

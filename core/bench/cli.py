@@ -1,0 +1,92 @@
+"""``kvforge bench throughput|latency|serve``: the argparse side (entry point group ``kvforge.cli``)."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from kvforge.bench import DATASETS, PEERS
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Entry point (group ``kvforge.cli``): adds ``bench`` and its three subcommands to ``kvforge``."""
+    bench = subparsers.add_parser("bench", help="benchmark throughput, latency or the server (docs/benchmarks.md)")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,latency,serve}")
+
+    tp = _add(sub, "throughput", "the whole workload offline at once; --vs adds transformers peers", _throughput)
+    tp.add_argument("--vs", action="append", default=[], choices=PEERS,
+                    help="also run a peer on the same workload in this process (repeatable)")
+    tp.add_argument("--hf-batch-size", type=int, default=256, help="static batch size of --vs hf-generate")
+
+    lat = _add(sub, "latency", "end-to-end latency of one batch (as vLLM's benchmark_latency)", _latency)
+    lat.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    lat.add_argument("--num-iters-warmup", type=int, default=3, help="untimed iterations first")
+    lat.add_argument("--num-iters", type=int, default=10, help="timed iterations")
+
+    srv = _add(sub, "serve", "streaming /v1/completions load against the OpenAI-compatible server", _serve)
+    srv.add_argument("--request-rate", type=float, default=float("inf"),
+                     help="Poisson arrivals per second (seeded by --seed); inf sends all at once (default)")
+    srv.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    srv.add_argument("--base-url", default=None,
+                     help="benchmark this running server (e.g. http://127.0.0.1:8000) instead of starting one; "
+                          "--model still picks the vocabulary of the random prompts")
+    srv.add_argument("--server-process", action="store_true",
+                     help="start `kvforge serve` as a subprocess instead of in this process")
+    srv.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    srv.add_argument("--api-key", default=None, help="bearer key for --base-url")
+
+
+def _add(sub: argparse._SubParsersAction, name: str, help: str, func: Callable) -> argparse.ArgumentParser:
+    from kvforge.cli import add_engine_args
+
+    p = sub.add_parser(name, help=help, description=help)
+    add_engine_args(p)  # --seed among them: it seeds the workload too (default 0)
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=256)
+    w.add_argument("--input-len", type=int, default=512, help="prompt tokens (the mean for uniform)")
+    w.add_argument("--output-len", type=int, default=256, help="output tokens, EOS ignored (the mean for uniform)")
+    w.add_argument("--dataset", choices=DATASETS, default="fixed")
+    w.add_argument("--range-ratio", type=float, default=0.5,
+                   help="uniform: lengths in [len * (1 - r), len * (1 + r)]")
+    w.add_argument("--prefix-len", type=int, default=None,
+                   help="shared-prefix: prompt tokens every request shares (default: input-len // 2)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="FILE", help="write every number (args, device, rows) here")
+    o.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart (needs matplotlib)")
+    o.add_argument("--bandwidth", type=float, default=None,
+                   help="measured copy bandwidth, bytes/s, for the roofline (CUDA default: the H200's 4.25e12)")
+    o.add_argument("--flops", type=float, default=None,
+                   help="measured matmul rate, FLOP/s, for the roofline (CUDA default: the H200's 779e12)")
+    p.set_defaults(func=func)
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Workload and output flags, checked before any model loads (``ValueError`` naming the flag)."""
+    from kvforge.bench.workloads import check_workload_args
+
+    check_workload_args(args.dataset, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                        args.prefix_len)
+    for flag in ("bandwidth", "flops"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag}: must be > 0, got {value}")
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size: must be >= 1, got {args.hf_batch_size}")
+    from kvforge.bench import throughput
+    return throughput.run(args)
+
+
+def _latency(args: argparse.Namespace) -> int:
+    _check(args)
+    from kvforge.bench import latency
+    return latency.run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _check(args)
+    from kvforge.bench import serve
+    return serve.run(args)

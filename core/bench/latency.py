@@ -1,0 +1,84 @@
+"""``kvforge bench latency``: the end-to-end latency of one batch, as vLLM's benchmark_latency measures it.
+
+One batch of ``--batch-size`` requests runs through ``LLM.generate`` ``--num-iters-warmup`` times
+untimed, then ``--num-iters`` times timed; each iteration uses fresh prompts (a different seed), so
+that prefix caching cannot skip the prefill. A prefill-only run of the same batch (``max_tokens=1``,
+also ``--num-iters`` times) gives the prefill time, and the decode-step estimate is
+``(p50 latency - p50 prefill) / (longest output - 1)``. Its floor is one step streaming the weights
+plus the batch's KV cache at its average context (``mean input + output / 2``) at ``--bandwidth``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvforge.bench import report
+from kvforge.bench.metrics import decode_step_floor_s, kv_bytes_per_token, param_count, percentile, resolve_ceilings
+from kvforge.bench.peers import sync
+from kvforge.bench.throughput import build_llm, device_name, finish, workload_for
+from kvforge.bench.workloads import BenchRequest, check_fits
+
+
+def time_batch(llm, workload: list[BenchRequest], max_tokens: int | None = None) -> float:
+    from kvforge import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens or r.output_len, ignore_eos=True) for r in workload]
+    sync(llm.llm_engine.device)
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
+    sync(llm.llm_engine.device)
+    elapsed = time.perf_counter() - t0
+    for out, r in zip(outs, workload):
+        want = max_tokens or r.output_len
+        if len(out.outputs[0].token_ids) != want:  # EOS is ignored: anything else is an engine bug
+            raise RuntimeError(f"a request generated {len(out.outputs[0].token_ids)} tokens, expected {want}")
+    return elapsed
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--num-iters", args.num_iters, 1),
+                               ("--num-iters-warmup", args.num_iters_warmup, 0)):
+        if value < least:
+            raise ValueError(f"{flag}: must be >= {least}, got {value}")
+    llm, load_s = build_llm(args)
+    engine = llm.llm_engine
+    mc, device, dtype = engine.model_config, engine.device, engine.dtype
+    batches = [workload_for(args, mc.vocab_size, args.batch_size, seed_offset=i)
+               for i in range(args.num_iters_warmup + args.num_iters)]
+    check_fits(batches[0], engine.max_model_len)
+    for batch in batches[:args.num_iters_warmup]:
+        time_batch(llm, batch)
+    timed = batches[args.num_iters_warmup:]
+    latencies = [time_batch(llm, batch) for batch in timed]
+    prefills = [time_batch(llm, batch, max_tokens=1) for batch in timed]
+
+    workload = timed[0]
+    longest = max(r.output_len for r in workload)
+    p50, prefill = percentile(latencies, 50), percentile(prefills, 50)
+    step = (p50 - prefill) / (longest - 1) if longest > 1 else None
+    bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    avg_ctx = sum(r.input_len for r in workload) / len(workload) + longest / 2
+    floor = decode_step_floor_s(mc, itemsize, len(workload), avg_ctx, bandwidth) if bandwidth else None
+    row = {"engine": f"kvforge ({engine.attn_backend_name})", "batch_size": args.batch_size,
+           "latencies_s": latencies, "prefill_latencies_s": prefills,
+           "latency_mean_s": sum(latencies) / len(latencies), "latency_p50_s": p50,
+           "latency_p99_s": percentile(latencies, 99), "prefill_s": prefill, "decode_step_s": step,
+           "decode_floor_s": floor, "floor_ratio": step / floor if step and floor else None,
+           "weight_bytes": param_count(mc) * itemsize,
+           "kv_bytes_per_step": len(workload) * avg_ctx * kv_bytes_per_token(mc, itemsize),
+           "load_seconds": load_s}
+    dev = device_name(device)
+    lens = f"{sum(r.input_len for r in workload) // len(workload)} prompt x {longest} output tokens"
+    print(f"\n{engine.source.name} on {dev}: batch of {args.batch_size} ({args.dataset}, {lens}), "
+          f"{args.num_iters} iterations after {args.num_iters_warmup} warm-up; "
+          + (f"floor at {bandwidth / 1e12:.2f} TB/s" if bandwidth else "floor n/a on CPU (give --bandwidth)"))
+    print(report.format_table([row], report.LATENCY_COLUMNS))
+    finish(args, "latency", dev, str(dtype).removeprefix("torch."), mc, workload, [row],
+           {"bandwidth": bandwidth, "flops": flops})
+    if args.plot:
+        report.write_plot(args.plot, [row], "latency_p50_s", "batch latency p50 (s)",
+                          f"{engine.source.name} on {dev}: batch {args.batch_size}, {lens}")
+    return 0

@@ -1,0 +1,291 @@
+"""``kvforge bench serve``: streaming ``/v1/completions`` load against the OpenAI-compatible server.
+
+The server is started in this process (``create_app`` under uvicorn on a background thread, on a free
+loopback port), as a ``kvforge serve`` subprocess (``--server-process``), or not at all
+(``--base-url``, any OpenAI-compatible server). Cold start is engine construction (in-process) or
+process start (subprocess) until ``/health`` answers 200.
+
+Each request sends its prompt as token ids with ``ignore_eos: true``, ``max_tokens`` = its output
+length, ``temperature: 0`` and ``stream_options.include_usage``. Arrivals are Poisson at
+``--request-rate`` req/s (seeded; ``inf`` sends all at once), at most ``--max-concurrency`` in flight.
+Per request: TTFT = first content chunk - send; ITL = gaps between content chunks; TPOT = (last chunk
+- first chunk) / (tokens - 1); E2E = end of stream - send. A request fails on a non-200 answer, a
+transport error, or a completion_tokens count other than its output length.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvforge.bench import report
+from kvforge.bench.metrics import resolve_ceilings, roofline_tok_s, summarize
+from kvforge.bench.throughput import derive, device_name, finish, workload_for
+from kvforge.bench.workloads import BenchRequest, check_fits, make_workload
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str | None = None
+    sent: float = 0.0
+    chunks: list[float] = field(default_factory=list)  # perf_counter of each chunk with choices
+    end: float = 0.0
+    output_tokens: int = 0
+
+
+# -- servers ------------------------------------------------------------------------------------------
+def wait_healthy(url: str, timeout: float, alive: Any = lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited before /health answered 200")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+class InProcessServer:
+    """The app under uvicorn on a daemon thread of this process (the engine thread is its own)."""
+
+    label = "kvforge serve (in-process)"
+
+    def __init__(self, config: Any, timeout: float):
+        import uvicorn
+
+        from kvforge.async_engine import AsyncLLMEngine
+        from kvforge.plugin_manager import get_plugin_manager
+        from kvforge.server.app import create_app
+        from kvforge.server.cli import default_served_name
+
+        t0 = time.perf_counter()
+        self.engine = AsyncLLMEngine.from_config(config)
+        app = create_app(self.engine, [default_served_name(config.model)], hook=get_plugin_manager().hook)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # the OS picks a free port; uvicorn serves this very socket
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       name="kvforge-bench-server", daemon=True)
+        self.thread.start()
+        wait_healthy(self.url, timeout, self.thread.is_alive)
+        self.cold_start_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+class ProcessServer:
+    """``python -m kvforge.cli serve`` with the same engine flags, on a free loopback port."""
+
+    label = "kvforge serve (process)"
+
+    def __init__(self, args: argparse.Namespace, timeout: float):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvforge-bench-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--port", str(port), *engine_argv(args)]
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.url, timeout, lambda: self.proc.poll() is None)
+        except RuntimeError as exc:
+            self.stop()
+            self.log.seek(0)
+            raise RuntimeError(f"{exc}; server log ({self.log.name}):\n{self.log.read()[-3000:]}") from None
+        self.cold_start_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as ``kvforge serve`` arguments."""
+    from kvforge.cli import ENGINE_FLAGS
+
+    argv: list[str] = []
+    for flag, _ in ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.enable_prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+# -- the load -------------------------------------------------------------------------------------------
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s after the start) of ``n`` requests, Poisson at ``rate``/s; all 0 for ``inf``."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Result:
+    res = Result(sent=time.perf_counter())
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return res
+            usage = None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    res.chunks.append(time.perf_counter())
+                usage = chunk.get("usage") or usage
+        res.end = time.perf_counter()
+        res.output_tokens = usage["completion_tokens"] if usage else len(res.chunks)
+        if res.output_tokens != body["max_tokens"]:
+            res.error = f"generated {res.output_tokens} tokens, expected {body['max_tokens']}"
+        else:
+            res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def run_load(url: str, model: str | None, workload: list[BenchRequest], warm: BenchRequest, rate: float,
+                   max_concurrency: int | None, seed: int, api_key: str | None) -> tuple[list[Result], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def body(r: BenchRequest) -> dict:
+        b = {"prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0, "ignore_eos": True,
+             "stream": True, "stream_options": {"include_usage": True}}
+        return b | ({"model": model} if model else {})
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        warm_res = await send(client, url, body(warm), headers)
+        if not warm_res.ok:
+            raise RuntimeError(f"the warm-up request failed: {warm_res.error}")
+        offsets = arrival_offsets(len(workload), rate, seed)
+        start = time.perf_counter()
+
+        async def launch(offset: float, r: BenchRequest) -> Result:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            if sem is None:
+                return await send(client, url, body(r), headers)
+            async with sem:
+                return await send(client, url, body(r), headers)
+
+        results = await asyncio.gather(*(launch(o, r) for o, r in zip(offsets, workload)))
+    return results, max(r.end or time.perf_counter() for r in results) - start
+
+
+def summarize_results(results: list[Result], workload: list[BenchRequest]) -> dict:
+    ok = [(res, r) for res, r in zip(results, workload) if res.ok]
+    errors = [res.error for res in results if not res.ok]
+    return {
+        "completed": len(ok), "failed": len(errors), "errors": errors[:5],
+        "output_tokens": sum(res.output_tokens for res, _ in ok),
+        "prompt_tokens": sum(r.input_len for _, r in ok),
+        "ttft_ms": summarize((res.chunks[0] - res.sent for res, _ in ok if res.chunks), 1e3),
+        "tpot_ms": summarize(((res.chunks[-1] - res.chunks[0]) / (res.output_tokens - 1)
+                              for res, _ in ok if res.output_tokens > 1 and res.chunks), 1e3),
+        "itl_ms": summarize((b - a for res, _ in ok for a, b in zip(res.chunks, res.chunks[1:])), 1e3),
+        "e2e_ms": summarize((res.end - res.sent for res, _ in ok), 1e3),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvforge.cli import engine_kwargs
+    from kvforge.config import EngineConfig
+    from kvforge.model_loader import load_model_config, resolve_model_source
+
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate: must be > 0 (inf sends every request at once), got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    kwargs = engine_kwargs(args)
+    config = EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)
+    server: Any = None
+    if args.base_url:
+        url, label, cold = args.base_url.rstrip("/"), args.base_url.rstrip("/"), None
+        mc = load_model_config(resolve_model_source(config.model, config.load_format))
+        device, dtype, dev, max_len, max_num_seqs = "remote", None, None, None, None
+    else:
+        server = InProcessServer(config, args.server_timeout) if not args.server_process else \
+            ProcessServer(args, args.server_timeout)
+        url, label, cold = server.url, server.label, server.cold_start_s
+        if isinstance(server, InProcessServer):
+            eng = server.engine.engine
+            mc, max_len, dtype, dev = eng.model_config, eng.max_model_len, eng.dtype, eng.device
+        else:  # the child resolves the same config the same way
+            mc = load_model_config(resolve_model_source(config.model, config.load_format))
+            max_len, dtype, dev = None, config.torch_dtype, config.torch_device
+        device, max_num_seqs = device_name(dev), config.max_num_seqs
+    try:
+        workload = workload_for(args, mc.vocab_size)
+        if max_len:
+            check_fits(workload, max_len)
+        warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
+                             seed=(args.seed or 0) + 1_000_003)[0]
+        model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
+                          if args.api_key else {}, timeout=30).json()["data"][0]["id"]
+        results, duration = asyncio.run(run_load(url, model, workload, warm, args.request_rate,
+                                                 args.max_concurrency, args.seed or 0, args.api_key))
+    finally:
+        if server is not None:
+            server.stop()
+    row = {"engine": label, "seconds": duration, "cold_start_s": cold, "request_rate": args.request_rate,
+           "max_concurrency": args.max_concurrency} | summarize_results(results, workload)
+    roofline = bandwidth = flops = None
+    if dtype is not None:
+        bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, torch.device(dev).type)
+        if bandwidth and flops:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            roofline = roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
+    derive([row], workload, roofline)
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    print(f"\n{config.model or 'default model'} on {device}: {len(workload)} streaming requests ({args.dataset}) "
+          f"at {rate} req/s, max concurrency {args.max_concurrency or 'unlimited'}; "
+          + (f"cold start {cold:.2f} s" if cold is not None else "external server"))
+    print(report.format_table([row], report.SERVE_COLUMNS))
+    if row["failed"]:
+        print(f"    {row['failed']} failed; first error: {row['errors'][0]}")
+    finish(args, "serve", device, str(dtype).removeprefix("torch.") if dtype else None, mc, workload, [row],
+           {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops, "base_url": url})
+    if args.plot:
+        report.write_plot(args.plot, [row], "output_tok_s", "output tokens/s", f"{label}: {rate} req/s", roofline)
+    return 0 if row["failed"] == 0 else 1

@@ -1,0 +1,175 @@
+"""``kvforge bench throughput``: the whole workload offline at once, then the peers on the same workload.
+
+Measurement (one approach for every column): after a warm-up ``LLM.generate`` of different prompts,
+every request is added to the ``LLMEngine`` at once with ``stream_deltas=True`` and the engine is
+stepped to completion by hand: the loop ``LLM.generate`` runs, plus a ``perf_counter`` stamp per delta.
+``seconds`` is first ``add_request`` to last output. TTFT and TPOT come from ``RequestOutput.metrics``
+(TTFT = first_token_time - arrival_time; TPOT = (finished_time - first_token_time) / (output_len - 1));
+ITL is the gap between a request's consecutive deltas (one token each without speculative decoding).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from kvforge.bench import report
+from kvforge.bench.metrics import resolve_ceilings, roofline_tok_s, summarize
+from kvforge.bench.peers import free_memory, run_peer, sync
+from kvforge.bench.workloads import BenchRequest, check_fits, make_workload
+
+
+def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
+    """The kvforge ``LLM`` for the engine flags, and the seconds its construction took."""
+    from kvforge import LLM
+    from kvforge.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    t0 = time.perf_counter()
+    llm = LLM(kwargs.pop("model", None), config=kwargs.pop("config", None), **kwargs)
+    return llm, time.perf_counter() - t0
+
+
+def workload_for(args: argparse.Namespace, vocab_size: int, num_prompts: int | None = None,
+                 seed_offset: int = 0) -> list[BenchRequest]:
+    return make_workload(args.dataset, num_prompts or args.num_prompts, args.input_len, args.output_len,
+                         vocab_size, seed=(args.seed or 0) + seed_offset, range_ratio=args.range_ratio,
+                         prefix_len=args.prefix_len)
+
+
+def warm_up(llm: Any, args: argparse.Namespace, n: int) -> None:
+    """A short generate of prompts unlike the workload's, so that no timed prompt is prefix-cached."""
+    from kvforge import SamplingParams
+
+    warm = make_workload("fixed", min(8, n), args.input_len, 4, llm.llm_engine.model_config.vocab_size,
+                         seed=(args.seed or 0) + 1_000_003)
+    llm.generate([r.prompt_token_ids for r in warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    sync(llm.llm_engine.device)
+
+
+def run_streamed(engine: Any, workload: list[BenchRequest]) -> dict:
+    """Run the workload through ``engine`` (all requests at once), stamping every streamed delta."""
+    from kvforge import SamplingParams
+
+    t0 = time.perf_counter()
+    ids = [engine.add_request(None, r.prompt_token_ids,
+                              SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
+                              stream_deltas=True) for r in workload]
+    stamps: dict[str, list[float]] = {i: [] for i in ids}
+    counts = dict.fromkeys(ids, 0)
+    metrics: dict[str, Any] = {}
+    try:
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                n = len(out.outputs[0].token_ids)
+                if n:
+                    stamps[out.request_id].append(now)
+                    counts[out.request_id] += n
+                if out.finished:
+                    metrics[out.request_id] = out.metrics
+    except BaseException:
+        engine.abort_request([i for i in ids if i not in metrics])
+        raise
+    elapsed = time.perf_counter() - t0
+    for rid, r in zip(ids, workload):
+        if counts[rid] != r.output_len:  # EOS is ignored: anything else is an engine bug
+            raise RuntimeError(f"request {rid} generated {counts[rid]} tokens, expected exactly {r.output_len}")
+    ms = [metrics[i] for i in ids]
+    return {
+        "seconds": elapsed, "output_tokens": sum(counts.values()),
+        "ttft_ms": summarize((m.first_token_time - m.arrival_time for m in ms), 1e3),
+        "tpot_ms": summarize(((m.finished_time - m.first_token_time) / (r.output_len - 1)
+                              for m, r in zip(ms, workload) if r.output_len > 1), 1e3),
+        "itl_ms": summarize((b - a for i in ids for a, b in zip(stamps[i], stamps[i][1:])), 1e3),
+        "e2e_ms": summarize((m.finished_time - m.arrival_time for m in ms), 1e3),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({torch.get_num_threads()} threads)"
+
+
+def derive(rows: list[dict], workload: list[BenchRequest], roofline: float | None) -> None:
+    """Fill rates, the ratio to the first (kvforge) row and the fraction of the roofline, in place."""
+    n_prompt = sum(r.input_len for r in workload)
+    for row in rows:
+        if row.get("error") or not row.get("seconds"):
+            continue
+        s = row["seconds"]
+        n_req = row.get("completed", len(workload))
+        row.setdefault("num_requests", n_req)
+        row.setdefault("prompt_tokens", n_prompt if n_req == len(workload) else None)
+        row["output_tok_s"] = row["output_tokens"] / s
+        row["total_tok_s"] = (row["output_tokens"] + row["prompt_tokens"]) / s if row["prompt_tokens"] else None
+        row["req_s"] = n_req / s
+        row["roofline_frac"] = row["output_tok_s"] / roofline if roofline else None
+    base = rows[0].get("output_tok_s")
+    for row in rows:
+        row["ratio"] = row["output_tok_s"] / base if base and row.get("output_tok_s") else None
+
+
+def describe(args: argparse.Namespace, model: str, device: str, workload: list[BenchRequest],
+             roofline: float | None, bandwidth: float | None, flops: float | None) -> str:
+    n_in, n_out = sum(r.input_len for r in workload), sum(r.output_len for r in workload)
+    head = (f"{model} on {device}: {len(workload)} requests ({args.dataset}), {n_in:,} prompt + {n_out:,} "
+            f"output tokens (EOS ignored); ")
+    if roofline is None:
+        return head + "roofline n/a on CPU (give --bandwidth and --flops)"
+    return head + (f"roofline {roofline:,.0f} output tok/s ({bandwidth / 1e12:.2f} TB/s, "
+                   f"{flops / 1e12:.3g} TFLOP/s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    llm, load_s = build_llm(args)
+    engine = llm.llm_engine
+    mc, source, device, dtype = engine.model_config, engine.source, engine.device, engine.dtype
+    workload = workload_for(args, mc.vocab_size)
+    check_fits(workload, engine.max_model_len)
+    warm_up(llm, args, len(workload))
+    before = engine.get_stats()
+    ours = {"engine": f"kvforge ({engine.attn_backend_name})"} | run_streamed(engine, workload)
+    after = engine.get_stats()
+    ours |= {"load_seconds": load_s, "cuda_graph_capture_s": engine.cuda_graph_capture_s,
+             "num_blocks": engine.num_blocks, "max_num_seqs": engine.config.max_num_seqs,
+             "preemptions": after["num_preemptions"] - before["num_preemptions"],
+             "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
+    max_num_seqs, model_name = engine.config.max_num_seqs, source.name
+    del llm, engine
+    free_memory()
+
+    rows = [ours] + [run_peer(p, source, mc, workload, device, dtype, args.seed or 0, args.hf_batch_size)
+                     for p in args.vs]
+    bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    roofline = (roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
+                if bandwidth and flops else None)
+    derive(rows, workload, roofline)
+    dev = device_name(device)
+    print("\n" + describe(args, model_name, dev, workload, roofline, bandwidth, flops))
+    print(report.format_table(rows, report.THROUGHPUT_COLUMNS))
+    finish(args, "throughput", dev, str(dtype).removeprefix("torch."), mc, workload, rows,
+           {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops})
+    if args.plot:
+        report.write_plot(args.plot, rows, "output_tok_s", "output tokens/s",
+                          describe(args, model_name, dev, workload, roofline, bandwidth, flops), roofline)
+    return 0
+
+
+def finish(args: argparse.Namespace, command: str, device: str, dtype: str, mc: Any,
+           workload: list[BenchRequest], rows: list[dict], extra: dict) -> None:
+    """Write ``--json``: the arguments, the device, the workload's totals and every row."""
+    if not args.json:
+        return
+    payload = {"command": command, "args": {k: v for k, v in vars(args).items() if k != "func"},
+               "device": device, "dtype": dtype, "model_config": mc.to_dict() if mc is not None else None,
+               "workload": {"dataset": args.dataset, "num_requests": len(workload),
+                            "prompt_tokens": sum(r.input_len for r in workload),
+                            "output_tokens": sum(r.output_len for r in workload)},
+               **extra, "rows": rows}
+    report.write_json(args.json, payload)

@@ -1,0 +1,85 @@
+"""Benchmark workloads: seeded random prompt token ids and exact output lengths (EOS is ignored).
+
+Datasets:
+- ``fixed``: every request has ``input_len`` prompt tokens and ``output_len`` output tokens.
+- ``uniform``: prompt lengths drawn uniformly from ``[input_len * (1 - r), input_len * (1 + r)]`` and
+  output lengths from ``[output_len * (1 - r), output_len * (1 + r)]`` (integers, at least 1).
+- ``shared-prefix``: ``input_len`` prompt tokens of which the first ``prefix_len`` are the same in
+  every request (prefix caching can reuse them); the rest are random per request.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.bench import DATASETS
+
+#: prompt ids are drawn from [LOW_ID, vocab - LOW_ID): away from the special tokens at the ends
+LOW_ID = 100
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int  # generated tokens, exactly: EOS is ignored
+
+    @property
+    def input_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def make_workload(dataset: str, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+                  seed: int = 0, range_ratio: float = 0.5, prefix_len: int | None = None) -> list[BenchRequest]:
+    """``num_prompts`` requests of ``dataset``; the same arguments give the same requests.
+
+    ``prefix_len`` (shared-prefix only) defaults to ``input_len // 2``. Raises ``ValueError`` naming
+    the flag for out-of-range values.
+    """
+    check_workload_args(dataset, num_prompts, input_len, output_len, range_ratio, prefix_len)
+    lo_id = min(LOW_ID, vocab_size // 4)
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int, length: int) -> list[list[int]]:
+        return torch.randint(lo_id, vocab_size - lo_id, (n, length), generator=gen).tolist()
+
+    if dataset == "fixed":
+        # NOTE: one [n, input_len] draw, so fixed workloads match the old benchmarks/throughput.py prompts
+        return [BenchRequest(p, output_len) for p in tokens(num_prompts, input_len)]
+    if dataset == "uniform":
+        rng = random.Random(seed)
+        in_lens = [rng.randint(*length_range(input_len, range_ratio)) for _ in range(num_prompts)]
+        out_lens = [rng.randint(*length_range(output_len, range_ratio)) for _ in range(num_prompts)]
+        return [BenchRequest(tokens(1, i)[0], o) for i, o in zip(in_lens, out_lens)]
+    prefix_len = input_len // 2 if prefix_len is None else prefix_len
+    prefix = tokens(1, prefix_len)[0] if prefix_len else []
+    return [BenchRequest(prefix + s, output_len) for s in tokens(num_prompts, input_len - prefix_len)]
+
+
+def check_workload_args(dataset: str, num_prompts: int, input_len: int, output_len: int,
+                        range_ratio: float = 0.5, prefix_len: int | None = None) -> None:
+    """``ValueError`` naming the flag for a workload that cannot be made (before any model loads)."""
+    if dataset not in DATASETS:
+        raise ValueError(f"--dataset: {dataset!r} is not one of {', '.join(DATASETS)}")
+    for flag, value in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: must be an integer >= 1, got {value!r}")
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio: must be in [0, 1), got {range_ratio}")
+    if prefix_len is not None and not 0 <= prefix_len < input_len:
+        raise ValueError(f"--prefix-len: must be in [0, --input-len={input_len}) so that every prompt has a "
+                         f"token of its own, got {prefix_len}")
+
+
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """The inclusive integer range ``[length * (1 - ratio), length * (1 + ratio)]``, at least 1."""
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+
+
+def check_fits(workload: list[BenchRequest], max_model_len: int) -> None:
+    """``ValueError`` if a request's prompt + output does not fit the engine's context."""
+    worst = max(workload, key=lambda r: r.input_len + r.output_len)
+    if worst.input_len + worst.output_len > max_model_len:
+        raise ValueError(f"--input-len/--output-len: a request needs {worst.input_len} + {worst.output_len} tokens, "
+                         f"more than max_model_len={max_model_len}; lower them or raise --max-model-len")

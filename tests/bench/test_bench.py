@@ -1,0 +1,193 @@
+"""``kvforge bench``: workloads, percentiles, roofline, and each subcommand end to end on ``dummy:tiny``."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge.bench.metrics import H200_BANDWIDTH, H200_FLOPS, percentile, roofline_tok_s, summarize
+from kvforge.bench.workloads import BenchRequest, length_range, make_workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+N, IN, OUT = 8, 16, 8
+ENGINE = ["--model", "dummy:tiny", "--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "128"]
+WORKLOAD = ["--num-prompts", str(N), "--input-len", str(IN), "--output-len", str(OUT)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # NOTE: on a shared 2-core machine a second OpenMP thread that gets descheduled stalls every op;
+    # one thread keeps these runs fast and steady
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def bench(*argv: str) -> int:
+    from kvforge.cli import main
+    return main(["bench", *argv])
+
+
+def load_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    values = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0]
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([7.0], q) == 7.0
+
+
+def test_percentile_edges_and_summary():
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="q must be in"):
+        percentile([1.0], 101)
+    assert summarize([]) is None
+    s = summarize([0.001, 0.002, 0.003], 1e3)
+    assert s["mean"] == pytest.approx(2.0) and s["p50"] == pytest.approx(2.0) and s["n"] == 3
+
+
+def test_roofline_matches_documented_h200_estimate():
+    from kvforge.model_config import ModelConfig
+
+    mc = ModelConfig.from_preset("llama-3-8b")
+    workload = [BenchRequest([0] * 512, 256)] * 256
+    # docs/benchmarks.md and shared/gpu/README.md: ~13,205 output tok/s for this workload
+    assert roofline_tok_s(mc, workload, 256, 2, H200_BANDWIDTH, H200_FLOPS) == pytest.approx(13205, rel=1e-3)
+
+
+# -- workloads ----------------------------------------------------------------------------------------
+def test_fixed_workload_is_seeded():
+    a = make_workload("fixed", N, IN, OUT, vocab_size=49152, seed=3)
+    assert a == make_workload("fixed", N, IN, OUT, vocab_size=49152, seed=3)
+    assert a != make_workload("fixed", N, IN, OUT, vocab_size=49152, seed=4)
+    assert all(r.input_len == IN and r.output_len == OUT for r in a)
+    assert all(100 <= t < 49152 - 100 for r in a for t in r.prompt_token_ids)
+
+
+def test_uniform_lengths_in_range():
+    w = make_workload("uniform", 200, 100, 40, vocab_size=49152, seed=0, range_ratio=0.5)
+    assert all(50 <= r.input_len <= 150 and 20 <= r.output_len <= 60 for r in w)
+    assert len({r.input_len for r in w}) > 20 and len({r.output_len for r in w}) > 10
+    assert length_range(1, 0.9) == (1, 1)
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix():
+    w = make_workload("shared-prefix", N, 32, OUT, vocab_size=49152, seed=0, prefix_len=20)
+    prefix = w[0].prompt_token_ids[:20]
+    assert all(r.input_len == 32 and r.prompt_token_ids[:20] == prefix for r in w)
+    assert len({tuple(r.prompt_token_ids[20:]) for r in w}) == N  # the rest is each prompt's own
+    default = make_workload("shared-prefix", 2, 32, OUT, vocab_size=49152)
+    assert default[0].prompt_token_ids[:16] == default[1].prompt_token_ids[:16]  # input_len // 2
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(dataset="zipf"), "--dataset"), (dict(num_prompts=0), "--num-prompts"),
+    (dict(output_len=0), "--output-len"), (dict(dataset="uniform", range_ratio=1.0), "--range-ratio"),
+    (dict(dataset="shared-prefix", prefix_len=IN), "--prefix-len"),
+])
+def test_bad_workload_names_the_flag(kwargs, flag):
+    args = dict(dataset="fixed", num_prompts=N, input_len=IN, output_len=OUT, vocab_size=1000) | kwargs
+    with pytest.raises(ValueError, match=flag):
+        make_workload(**args)
+
+
+# -- subcommands --------------------------------------------------------------------------------------
+def test_throughput_vs_hf_generate(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert bench("throughput", *ENGINE, *WORKLOAD, "--vs", "hf-generate", "--hf-batch-size", "4",
+                 "--vs", "hf-continuous", "--json", str(out)) == 0
+    data = load_json(out)
+    ours, hf, cb = data["rows"]
+    # transformers' continuous batching: a result, or (an API it does not know) an error in its row
+    assert cb["engine"] == "transformers generate_batch"
+    assert cb.get("error") or (cb["output_tokens"] == N * OUT and cb["output_tok_s"] > 0)
+    assert ours["engine"].startswith("kvforge") and hf["engine"].startswith("transformers generate")
+    for row in (ours, hf):
+        assert row.get("error") is None
+        assert row["output_tokens"] == N * OUT and row["output_tok_s"] > 0 and row["req_s"] > 0
+    assert ours["ratio"] == 1.0 and hf["ratio"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert ours[key]["p50"] > 0 and ours[key]["p99"] >= ours[key]["p50"]
+    assert ours["itl_ms"]["n"] == N * (OUT - 1)  # one delta per token
+    assert data["roofline_tok_s"] is None and ours["roofline_frac"] is None  # CPU: no ceilings given
+    assert data["workload"] == {"dataset": "fixed", "num_requests": N, "prompt_tokens": N * IN,
+                                "output_tokens": N * OUT}
+    table = capsys.readouterr().out
+    assert "TTFT ms p50/p99" in table and "roofline n/a on CPU" in table
+
+
+def test_legacy_wrapper_flags_and_roofline(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_throughput", os.path.join(ROOT, "benchmarks", "throughput.py"))
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    out = tmp_path / "legacy.json"
+    assert wrapper.main(["--model", "dummy:tiny", "--device", "cpu", "--num-prompts", "4", "--input-len", "8",
+                         "--output-len", "4", "--attention-backend", "torch", "--dtype", "float32",
+                         "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--seed", "1",
+                         "--bandwidth", "1e10", "--flops", "1e12", "--json", str(out)]) == 0
+    data = load_json(out)
+    assert data["rows"][0]["engine"] == "kvforge (torch)" and data["rows"][0]["max_num_seqs"] == 2
+    assert data["roofline_tok_s"] > 0 and 0 < data["rows"][0]["roofline_frac"]
+    assert data["args"]["seed"] == 1 and data["dtype"] == "float32"
+
+
+def test_latency(tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    assert bench("latency", *ENGINE, "--batch-size", "4", "--input-len", str(IN), "--output-len", str(OUT),
+                 "--num-iters-warmup", "1", "--num-iters", "3", "--bandwidth", "1e10", "--json", str(out)) == 0
+    row = load_json(out)["rows"][0]
+    assert len(row["latencies_s"]) == 3 and row["latency_p99_s"] >= row["latency_p50_s"] > row["prefill_s"] > 0
+    assert row["decode_step_s"] > 0 and row["decode_floor_s"] > 0 and row["floor_ratio"] > 0
+    assert "decode step ms" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rate", ["inf", "50"])
+def test_serve_in_process(tmp_path, rate):
+    out = tmp_path / "serve.json"
+    assert bench("serve", *ENGINE, *WORKLOAD, "--dataset", "uniform", "--request-rate", rate,
+                 "--max-concurrency", "4", "--json", str(out)) == 0
+    data = load_json(out)
+    row = data["rows"][0]
+    assert row["completed"] == N and row["failed"] == 0 and row["errors"] == []
+    assert row["output_tokens"] == data["workload"]["output_tokens"] and row["output_tok_s"] > 0
+    assert row["cold_start_s"] > 0 and row["ttft_ms"]["n"] == N and row["e2e_ms"]["p50"] > 0
+    if rate == "50":  # Poisson arrivals at 50/s: 8 requests take tens of ms at least to arrive
+        assert row["seconds"] > 0.02
+
+
+def test_cli_entry_point_subprocess(tmp_path):
+    out = tmp_path / "cli.json"
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "kvforge.cli", "bench", "throughput", *ENGINE, *WORKLOAD,
+                           "--dataset", "shared-prefix", "--input-len", "40", "--prefix-len", "32", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "kvforge (" in proc.stdout and "output tok/s" in proc.stdout
+    row = load_json(out)["rows"][0]
+    assert row["output_tokens"] == N * OUT and row["prefix_cache_hits"] > 0  # two full blocks of the shared 32 tokens are reused
+
+
+def test_bad_flag_is_rejected_before_loading(capsys):
+    assert bench("throughput", *ENGINE, "--num-prompts", "0") == 2
+    assert "--num-prompts" in capsys.readouterr().err
+    assert bench("serve", *ENGINE, "--request-rate", "0") == 2
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    from kvforge.bench.report import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert write_plot(str(tmp_path / "p.png"), [{"engine": "kvforge", "output_tok_s": 1.0}],
+                      "output_tok_s", "tok/s", "t") is False
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
