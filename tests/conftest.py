@@ -58,6 +58,7 @@ def tiny_llm():
 def assert_no_blocks_held(engine):
     stats = engine.kv_cache.stats()
     assert stats.num_used_blocks == 0, stats
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks, stats  # nothing left in the swap pool
     blocks = getattr(engine.kv_cache, "blocks", [])
     assert all(b.ref_count == 0 for b in blocks)
 

@@ -1,31 +1,27 @@
 """``priority``: fcfs batching, with requests ordered by ``(priority, arrival_time)`` (lower first).
 
-Each step (the fcfs step, see ``fcfs.py``, with these orders and two passes before it):
+Each step is the fcfs step (``fcfs.py``) with these orders and two passes in front of it (the full
+policy, with the reasons, is in docs/scheduling.md):
 
 1. The waiting queue, the swapped queue and the running list are sorted by the key
-   ``(effective priority, arrival_time)``. Running requests take the token budget in that order and
-   waiting ones are admitted in that order; the head blocks those behind it.
-2. **Priority preemption** (vLLM's): while the best waiting or swapped request would not fit (its
-   next chunk's blocks plus the running requests' next chunks exceed the free blocks, or
-   ``max_num_seqs`` is reached), the running request with the largest key is preempted, as long as
-   its effective priority is strictly lower (a larger number) than the head's. The block count is
-   an estimate that ignores prefix-cache hits.
+   ``(effective priority, arrival_time)``; running requests take the budget in that order, waiting
+   ones are admitted in that order, and fcfs preempts the running request with the largest key.
+2. **Priority preemption** (vLLM's): while the best waiting or swapped request would not fit after
+   the running requests' next chunks (blocks, token budget, ``max_num_seqs``; prefix-cache hits
+   not counted), the running request with the largest key is preempted, if its effective priority
+   is strictly lower (a larger number) than that request's.
 3. Swapped requests come back (``swap_in``), best first, while they come before the best waiting
-   request and the pool keeps room for them and for every running request's next chunk.
-4. fcfs: when a running request cannot get a block, the request with the largest key is preempted.
-   Waiting requests are admitted unless the step preempted or a swapped request that comes before
-   them is still waiting for room (swapped requests first, as in vLLM).
+   request and fit. No waiting request is admitted while a swapped one that comes first waits.
 
-Preemption mode (``preemption_mode``): ``recompute`` frees the blocks (the request waits, its
-tokens are recomputed, prefix cache permitting); ``swap`` copies its blocks to the CPU pool
-(``swap_space`` GiB) and keeps ``num_computed_tokens``; status SWAPPED, and ``swap_in`` restores
-them. When the pool lacks room the preemption recomputes. A request swapped in and preempted in
-the same step is recomputed (its swap-in is cancelled), so no request is swapped both ways in a step.
+``preemption_mode``: ``recompute`` frees the blocks (fcfs's way); ``swap`` moves them to the CPU
+pool (status SWAPPED, ``num_computed_tokens`` kept), or recomputes when the pool lacks room.
+NOTE: no request is swapped both ways in one step (``kvforge.swap`` could not order the copies):
+one swapped in and then preempted in the same step is recomputed, its swap-in cancelled, and one
+swapped out waits for the next step to come back.
 
-Aging (``aging_interval_s``, off by default): a request's effective priority is ``priority -
-floor(age / aging_interval_s)``, its age counted from ``arrival_time`` (``time.monotonic``) and kept
-once it runs, so a low-priority request overtakes, and is not preempted by, requests that arrive
-long after it: it cannot starve.
+``aging_interval_s`` (off by default): effective priority = ``priority - floor(age /
+aging_interval_s)``, the age counted from ``arrival_time`` (``time.monotonic``) also while running,
+so a low-priority request overtakes, and is not preempted by, requests that arrive long after it.
 """
 from __future__ import annotations
 
@@ -225,6 +221,7 @@ class PriorityScheduler(FCFSScheduler):
             if req is not None and req.status == RequestStatus.SWAPPED:
                 self.swapped.remove(req)  # the base class frees its CPU blocks with its device ones
                 del self._swapped_blocks[rid]
+                self._swap_out.pop(rid, None)  # preempted outside a step: its copies are moot
         return super().finish_requests(ids, status, stop_reason)
 
     def has_unfinished(self) -> bool:

@@ -76,3 +76,15 @@ def test_no_pool_refuses_swapping():
     with pytest.raises(ValueError, match="swap_space=0"):
         r.swap_blocks([(0, 0)], [])
     r.swap_blocks([], [])  # nothing to do: fine
+
+
+def test_swap_space_option_and_flag():
+    from kvforge.cli import build_parser, engine_kwargs
+    from kvforge.config import EngineConfig
+
+    assert EngineConfig().swap_space == 4.0 and EngineConfig(swap_space=0).swap_space == 0
+    for bad in (-1, float("inf"), float("nan"), True, "4"):
+        with pytest.raises(ValueError, match="swap_space"):
+            EngineConfig(swap_space=bad)
+    args = build_parser().parse_args(["generate", "hi", "--swap-space", "0.5"])
+    assert engine_kwargs(args)["swap_space"] == 0.5
