@@ -3,7 +3,7 @@
 One batch of ``--batch-size`` requests runs through ``LLM.generate`` ``--num-iters-warmup`` times
 untimed, then ``--num-iters`` times timed; each iteration uses fresh prompts (a different seed), so
 that prefix caching cannot skip the prefill. A prefill-only run of the same batch (``max_tokens=1``,
-also ``--num-iters`` times) gives the prefill time, and the decode-step estimate is
+also ``--num-iters`` times, on prompts of their own) gives the prefill time, and the decode-step estimate is
 ``(p50 latency - p50 prefill) / (longest output - 1)``. Its floor is one step streaming the weights
 plus the batch's KV cache at its average context (``mean input + output / 2``) at ``--bandwidth``.
 """
@@ -45,14 +45,16 @@ def run(args: argparse.Namespace) -> int:
     llm, load_s = build_llm(args)
     engine = llm.llm_engine
     mc, device, dtype = engine.model_config, engine.device, engine.dtype
-    batches = [workload_for(args, mc.vocab_size, args.batch_size, seed_offset=i)
-               for i in range(args.num_iters_warmup + args.num_iters)]
+    # NOTE: every run gets prompts of its own (the prefill-only runs too): a repeated prompt would
+    # hit the prefix cache and skip its prefill
+    n_runs = args.num_iters_warmup + 2 * args.num_iters
+    batches = [workload_for(args, mc.vocab_size, args.batch_size, seed_offset=i) for i in range(n_runs)]
     check_fits(batches[0], engine.max_model_len)
     for batch in batches[:args.num_iters_warmup]:
         time_batch(llm, batch)
-    timed = batches[args.num_iters_warmup:]
+    timed = batches[args.num_iters_warmup:args.num_iters_warmup + args.num_iters]
     latencies = [time_batch(llm, batch) for batch in timed]
-    prefills = [time_batch(llm, batch, max_tokens=1) for batch in timed]
+    prefills = [time_batch(llm, batch, max_tokens=1) for batch in batches[args.num_iters_warmup + args.num_iters:]]
 
     workload = timed[0]
     longest = max(r.output_len for r in workload)

@@ -109,9 +109,11 @@ class ProcessServer:
         try:
             wait_healthy(self.url, timeout, lambda: self.proc.poll() is None)
         except RuntimeError as exc:
+            self.log.flush()
+            with open(self.log.name) as f:  # read before stop() closes our handle
+                tail = f.read()[-3000:]
             self.stop()
-            self.log.seek(0)
-            raise RuntimeError(f"{exc}; server log ({self.log.name}):\n{self.log.read()[-3000:]}") from None
+            raise RuntimeError(f"{exc}; server log ({self.log.name}):\n{tail}") from None
         self.cold_start_s = time.perf_counter() - t0
 
     def stop(self) -> None:
