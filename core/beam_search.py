@@ -64,7 +64,32 @@ class _Search:
 
 
 def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt (token ids) on ``engine`` (an LLMEngine)."""
+    """Run beam search for every prompt (token ids) on ``engine`` (an LLMEngine).
+
+    Prompts run in groups whose beams all fit in the KV pool at full length: beams never wait for
+    blocks held by other beams (beams with nothing left to compute this round cannot be preempted).
+    """
+    for prompt in prompts:
+        if len(prompt) + params.max_tokens > engine.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={engine.max_model_len}")
+    bs, pool = engine.kv_cache.block_size, engine.kv_cache.num_blocks
+    need = [params.beam_width * -(-(len(p) + params.max_tokens + 1) // bs) for p in prompts]
+    for p, n in zip(prompts, need):
+        if n > pool:
+            raise ValueError(f"beam_width: {params.beam_width} beams of {len(p) + params.max_tokens} tokens need "
+                             f"{n} KV blocks; the pool has {pool}")
+    outputs, group, used = [], [], 0
+    for p, n in zip(prompts, need):
+        if group and used + n > pool:
+            outputs += _beam_search_group(engine, group, params)
+            group, used = [], 0
+        group.append(p)
+        used += n
+    return outputs + (_beam_search_group(engine, group, params) if group else [])
+
+
+def _beam_search_group(engine: Any, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     w = params.beam_width
     eos = set(engine.eos_token_ids) if not params.ignore_eos else set()
     ids = itertools.count()

@@ -59,3 +59,14 @@ def test_best_beam_matches_transformers(default_model_path, check_no_blocks):
         assert ref[:n] == best, (p, tok.decode(ref), out.sequences[0].text)
         assert all(t == 2 for t in ref[n:])  # only padding after our best sequence
     check_no_blocks(llm.llm_engine)
+
+
+def test_small_pool_runs_prompts_in_groups(check_no_blocks):
+    llm = LLM("dummy:tiny", device="cpu", num_gpu_blocks_override=10, max_model_len=128)
+    prompts = [list(range(10, 39)), list(range(40, 70)), list(range(70, 100))]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    assert [len(o.sequences) for o in outs] == [3, 3, 3]
+    assert all(s.tokens[:len(p)] == p for p, o in zip(prompts, outs) for s in o.sequences)
+    check_no_blocks(llm.llm_engine)
+    with pytest.raises(ValueError, match="beam_width"):
+        llm.beam_search([list(range(100))], BeamSearchParams(beam_width=4, max_tokens=20))
