@@ -1,6 +1,6 @@
 """Offline throughput: kvforge vs transformers on the same workload, in one process.
 
-A thin wrapper over ``kvforge bench throughput`` (core/bench/, docs/benchmarks.md), kept so that
+A thin wrapper over ``kvforge bench throughput`` (bench/, docs/benchmarks.md), kept so that
 existing commands work; only the default model differs (``dummy:llama-3-8b`` here):
 
     python benchmarks/throughput.py --model dummy:llama-3-8b --num-prompts 256 --input-len 512 \
@@ -19,22 +19,9 @@ DEFAULTS = ["--model", "dummy:llama-3-8b"]  # argparse keeps the last value, so 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import logging
+    from kvforge.cli import main as kvforge_main
 
-    from kvforge.bench.cli import add_bench_parser
-
-    # NOTE: the bench parser is added directly, not found through the `kvforge.cli` entry points, so
-    # that this script also works from an install made before `bench` was registered
-    parser = argparse.ArgumentParser(prog="benchmarks/throughput.py")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "throughput", *DEFAULTS, *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return kvforge_main(["bench", "throughput", *DEFAULTS, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -95,10 +95,6 @@ def _beam_search_group(engine: Any, prompts: list[list[int]], params: BeamSearch
     ids = itertools.count()
     searches = []
     for prompt in prompts:
-        if len(prompt) + params.max_tokens > engine.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={engine.max_model_len}")
-    for prompt in prompts:
         req = _new_request(f"beam-{next(ids)}", prompt, [], 2 * w, params.max_tokens)
         engine.scheduler.add(req)
         searches.append(_Search(prompt, [_Beam(req, 0.0)]))

@@ -152,10 +152,12 @@ class LLMEngine:
 
     def process_inputs(self, request_id: str | None, prompt: str | list[int] | dict,
                        params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                       priority: int = 0, stream_deltas: bool = False) -> tuple[ParentState, list[Request]]:
+                       priority: int = 0, stream_deltas: bool = False,
+                       final_only: bool = False) -> tuple[ParentState, list[Request]]:
         """Tokenize and validate a request without touching the scheduler (safe from another thread).
 
-        Raises ``ValueError`` naming the field for bad input.
+        ``stream_deltas``: each output holds only what is new; ``final_only``: only the finished
+        output is reported. Raises ``ValueError`` naming the field for bad input.
         """
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -179,7 +181,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         room = self.max_model_len - len(ids)
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
-        parent = ParentState(request_id, text, ids, stream_deltas, RequestMetrics(arrival_time=time.time()))
+        parent = ParentState(request_id, text, ids, stream_deltas, RequestMetrics(arrival_time=time.time()),
+                             final_only=final_only)
         children = []
         for i in range(params.n):
             child_params = params

@@ -37,10 +37,7 @@ class LLM:
         ``priority``: one integer per prompt (lower runs first), used by schedulers that honour it
         (``priority``); default 0 for every prompt.
         """
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts)
         if not prompts:
             raise ValueError("prompts: must not be empty")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -58,7 +55,7 @@ class LLM:
         ids = []
         try:
             for prompt, p, prio in zip(prompts, params, priority):
-                ids.append(engine.add_request(None, prompt, p, priority=prio))
+                ids.append(engine.add_request(None, prompt, p, priority=prio, final_only=True))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -84,11 +81,8 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt; each output's ``sequences`` are ranked best first (at most
         ``beam_width``), with prompt + generated ``tokens``, ``text`` of the generated part and ``score``."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
         token_prompts = []
-        for p in prompts:
+        for p in _as_list(prompts):
             _, ids = self.llm_engine.tokenize(p)
             if not ids:
                 raise ValueError("prompt: must not be empty")
@@ -120,3 +114,11 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string, a dict, or a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)

@@ -35,6 +35,7 @@ class ParentState:
     prompt_token_ids: list[int]
     delta: bool
     metrics: RequestMetrics
+    final_only: bool = False  # report only the finished output (offline generate: no per-step copies)
     seqs: list[SeqState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stop: list[str] = field(default_factory=list)
@@ -109,6 +110,8 @@ class OutputProcessor:
             if parent.finished:
                 parent.metrics.finished_time = now
                 self.remove(parent.request_id)
+            elif parent.final_only:
+                continue
             outputs.append(self.make_output(parent))
         return outputs
 
