@@ -16,6 +16,7 @@ from torch import nn
 
 from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.model_config import ModelConfig
+from kvforge.plugins.models import fused_ops
 
 #: checkpoint module name -> (fused module name, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -35,11 +36,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]; normalized in float32, cast back before the weight multiply (as HF does)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)`` (float32 statistics, cast back before the weight multiply, as HF does); with
+        ``residual``: adds ``x`` into it in place and returns ``(norm(residual), residual)``."""
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -81,15 +81,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim] (rotated in place when fused)
+        return fused_ops.rope(positions, q, k, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -138,8 +131,7 @@ class LlamaMLP(nn.Module):
         return int(shard) * self.intermediate_size, self.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))  # gate_up: [T, 2 * intermediate]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,10 +142,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: RotaryEmbedding, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately so that each residual add is fused into the next
+        norm: returns (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rope, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -167,9 +168,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, self.rotary_emb, kv_caches[i], attn_meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb, kv_caches[i], attn_meta)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
