@@ -140,6 +140,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if getattr(args, "async_scheduling", None) is not None:
+        argv.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     return argv
 
 

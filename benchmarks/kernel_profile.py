@@ -15,6 +15,7 @@ import argparse
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 
@@ -68,19 +69,25 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true", help="only part 2")
+    p.add_argument("--runs", type=int, default=1, help="part 2 this many times (the first one warms up)")
+    p.add_argument("--step-times", action="store_true", help="print every prefill-carrying step's ms")
     args = p.parse_args()
 
     from kvforge import LLM
 
-    llm = LLM(args.model, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    llm = LLM(args.model, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              async_scheduling=not args.no_async_scheduling)
     eng = llm.llm_engine
     runner = eng.runner
     dev = runner.device
 
     # -- part 1: kernels of one prefill step and of decode steps -----------------------------------
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not args.skip_kernels:
         part1(runner, args)
-    run_workload(eng, args)
+    for _ in range(args.runs):
+        run_workload(eng, args)
 
 
 def part1(runner, args) -> None:
@@ -119,9 +126,15 @@ def part1(runner, args) -> None:
 
     profile_phase(f"decode batch {b} x context {ctx}, eager", decode_eager, steps=3)
     if runner.graphs is not None:
+        wide = np.zeros((b, runner.graphs.max_blocks), dtype=np.int32)
+        wide[:, :nblk] = tables
+        gl = decode_layout(b, runner.graphs.max_blocks, seq_lens, wide, slots)
+
         @torch.inference_mode()
         def decode_graph():
-            h = runner.graphs.run(dl, dids, dpos)
+            runner.graphs.input_ids[:b].copy_(torch.from_numpy(dids))  # b is a captured size
+            runner.graphs.positions[:b].copy_(torch.from_numpy(dpos))
+            h = runner.graphs.replay(gl)
             runner.model.compute_logits(h).argmax(-1)
 
         profile_phase(f"decode batch {b} x context {ctx}, CUDA graph", decode_graph, steps=3)
@@ -148,6 +161,7 @@ def run_workload(eng, args) -> None:
         return out
 
     eng.scheduler.schedule = schedule
+    slow: list[tuple[float, int, int]] = []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -162,6 +176,8 @@ def run_workload(eng, args) -> None:
         s[0] += 1
         s[1] += dt
         s[2] += n_tok
+        if kind == "prefill-carrying":
+            slow.append((round(dt * 1e3, 1), n_tok, len(out.scheduled)))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -171,6 +187,9 @@ def run_workload(eng, args) -> None:
     print(f"  {'kind':<18}{'steps':>7}{'seconds':>9}{'ms/step':>9}{'tokens/step':>13}")
     for kind, (n, t, tok) in stats.items():
         print(f"  {kind:<18}{n:>7}{t:>9.2f}{t / n * 1e3:>9.2f}{tok / n:>13.0f}")
+    if args.step_times:
+        print("  prefill-carrying steps (ms, tokens, sequences):", slow)
+    eng.scheduler.schedule = orig_schedule
 
 
 if __name__ == "__main__":

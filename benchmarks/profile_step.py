@@ -55,7 +55,7 @@ def main() -> None:
     runner.attn.build_metadata = timed("input prep: attention metadata", runner.attn.build_metadata)
     runner.model.forward = timed("GPU: model forward (eager)", runner.model.forward)
     if runner.graphs is not None:
-        runner.graphs.run = timed("GPU: model forward (graph replay)", runner.graphs.run)
+        runner.graphs.replay = timed("GPU: model forward (graph replay)", runner.graphs.replay)
     runner.model.compute_logits = timed("GPU: logits", runner.model.compute_logits)
     runner.sampler.prepare = timed("sampling: prepare", runner.sampler.prepare)
     runner.sampler.sample = timed("sampling: sample + host sync", runner.sampler.sample)

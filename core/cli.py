@@ -37,12 +37,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
         parser.add_argument(flag, **kwargs)
     parser.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                         help="never capture or replay CUDA graphs")
+    parser.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                        help="schedule the next step while the GPU runs the current one (the default)")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching", "enforce_eager"]
+    keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching", "enforce_eager", "async_scheduling"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

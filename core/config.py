@@ -50,6 +50,10 @@ class EngineConfig:
     max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for.
     enforce_eager: never use CUDA graphs (by default decode-only steps replay graphs captured at
         batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, when the attention backend allows).
+    async_scheduling: schedule and lay out the next step while the GPU runs the current one (the
+        next step's tokens come from the device); a step whose requests need their sampled tokens
+        on the host first (structured outputs, penalties, bad words, min_tokens, logits processors,
+        n > 1 before the fork, beam search) is waited for before the next one is scheduled.
     attention_backend / scheduler / sampler / kv_cache_manager: plugin names.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
@@ -71,6 +75,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     enforce_eager: bool = False
+    async_scheduling: bool = True
     attention_backend: str = "auto"
     scheduler: str = "fcfs"
     sampler: str = "default"
@@ -106,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

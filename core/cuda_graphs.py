@@ -78,27 +78,17 @@ class CUDAGraphRunner:
                     self.sizes[-1], elapsed)
         return elapsed
 
-    def can_run(self, layout: BatchLayout) -> bool:
-        return (layout.num_seqs <= self.sizes[-1] and layout.num_tokens == layout.num_seqs
-                and layout.block_tables.shape[1] <= self.max_blocks)
+    def padded_size(self, out: Any) -> int | None:
+        """The captured size to replay for a scheduled step, or None: not decode-only, or too large."""
+        n = len(out.scheduled)
+        if n > self.sizes[-1] or out.total_num_scheduled_tokens != n:
+            return None
+        return next(s for s in self.sizes if s >= n)
 
-    def run(self, layout: BatchLayout, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Replay the graph for this decode batch; returns hidden states [n, hidden] (a view)."""
-        n = layout.num_seqs
-        size = next(s for s in self.sizes if s >= n)
-        graph, meta, hidden = self.graphs[size]
-        seq_lens = np.ones(size, dtype=np.int32)
-        seq_lens[:n] = layout.seq_lens
-        tables = np.zeros((size, self.max_blocks), dtype=np.int32)
-        tables[:n, :layout.block_tables.shape[1]] = layout.block_tables
-        slots = np.full(size, -1, dtype=np.int64)
-        slots[:n] = layout.slot_mapping
-        self.attn.update_graph_metadata(meta, decode_layout(size, self.max_blocks, seq_lens, tables, slots))
-        ids = np.zeros(size, dtype=np.int64)
-        ids[:n] = input_ids
-        pos = np.zeros(size, dtype=np.int64)
-        pos[:n] = positions
-        self.input_ids[:size].copy_(torch.from_numpy(ids), non_blocking=True)
-        self.positions[:size].copy_(torch.from_numpy(pos), non_blocking=True)
+    def replay(self, layout: BatchLayout) -> torch.Tensor:
+        """Replay the graph of ``layout.num_seqs`` rows (already padded to a captured size, its inputs
+        already in ``input_ids`` / ``positions``); returns hidden states [size, hidden] (a view)."""
+        graph, meta, hidden = self.graphs[layout.num_seqs]
+        self.attn.update_graph_metadata(meta, layout)
         graph.replay()
-        return hidden[:n]
+        return hidden

@@ -17,7 +17,7 @@ from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.request import Request, RequestStatus
 from kvforge.sampling_params import SamplingParams
-from kvforge.scheduler import ModelRunnerOutput
+from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
 
@@ -69,6 +69,7 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.initialize_input_buffers(config.max_num_batched_tokens, config.max_num_seqs, max_len)
         self.cuda_graph_capture_s = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
@@ -84,6 +85,7 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_runner_output = ModelRunnerOutput()
+        self._inflight: tuple[SchedulerOutput, Any] | None = None  # a launched step not yet applied
         self._structured: StructuredOutputManager | None = None
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
@@ -236,14 +238,56 @@ class LLMEngine:
             self.scheduler.abort(self.outputs.remove(rid))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # a step in flight whose requests have all ended (aborted, stopped) is applied by the next step
+        return self.scheduler.has_unfinished() or (
+            self._inflight is not None and any(not r.finished for r in self._inflight[0].scheduled))
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that made progress."""
+        """Run one engine step; return an output for every request that made progress.
+
+        With async scheduling the step launched here is usually left running on the GPU, and the
+        outputs returned are those of the step before it, applied while this one runs:
+
+            schedule(N+1) -> launch(N+1) -> wait for N, apply its tokens, outputs -> advance(N+1)
+
+        Step N+1 is scheduled before N's tokens are known: each request that samples in N holds a
+        placeholder token (``Request.append_placeholder``) that N+1 reads from the device.
+        """
+        outputs: list[RequestOutput] = []
+        prev = self._inflight
+        if prev is not None and not self._may_overlap(prev[0]):
+            outputs += self._complete(prev)
+            prev = self._inflight = None
         self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out, self.kv_cache)
+        handle = self.runner.launch(sched_out, self.kv_cache, prev=prev[1] if prev is not None else None)
+        if prev is not None:
+            outputs += self._complete(prev)
+        self.scheduler.advance(sched_out)
+        self._inflight = None
+        if self.config.async_scheduling and not sched_out.is_empty and self._may_overlap(sched_out):
+            self._inflight = (sched_out, handle)
+        else:
+            outputs += self._complete((sched_out, handle))
+        return outputs
+
+    @staticmethod
+    def _may_overlap(sched_out: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host: none of
+        its requests reads its own sampled tokens on the host to build the next step."""
+        for req in sched_out.scheduled:
+            p = req.sampling_params
+            if (req.external_tokens or req.forks or req.grammar is not None or req.bad_words_token_ids
+                    or p.logits_processors or p.min_tokens or p.presence_penalty or p.frequency_penalty
+                    or p.repetition_penalty != 1.0):
+                return False
+        return True
+
+    def _complete(self, step: tuple[SchedulerOutput, Any]) -> list[RequestOutput]:
+        """Wait for a launched step, apply its tokens to the requests and build their outputs."""
+        sched_out, handle = step
+        runner_out = handle.result()
         self.last_runner_output = runner_out  # beam search reads the beams' logprobs here
         updated = self.scheduler.update(sched_out, runner_out)
         for req in updated:

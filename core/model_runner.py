@@ -1,13 +1,16 @@
 """``ModelRunner``: lays out one step's batch, runs the model and the sampler, sizes the KV cache."""
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvforge.attention import AttentionBackend, BatchLayout
+from kvforge.input_buffers import StagingBuffers, h2d
 from kvforge.kv_cache import KVCacheManager
 from kvforge.sampler import Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -122,45 +125,80 @@ class ModelRunner:
             self.swap_space.swap(self.kv_caches, swap_out, swap_in)
 
     # -- one step --------------------------------------------------------------------------------
+    def initialize_input_buffers(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """Pre-allocate the host staging buffers and the device input tensors (see ``kvforge.input_buffers``)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.staging = StagingBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
+        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        """Run one step and wait for its result."""
+        return self.launch(out, kv).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager, prev: "StepHandle | None" = None) -> "StepHandle":
+        """Queue one step's GPU work and return at once; ``StepHandle.result()`` waits for it.
+
+        ``prev``: the step still in flight, whose sampled tokens fill this step's placeholders
+        (async scheduling) on the device, without a round trip through the host.
+        """
         self.sampler.release(out.finished_request_ids)
         self.swap_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in)  # even in a step with no batch
         if out.is_empty:
-            return ModelRunnerOutput()
+            return StepHandle.done(ModelRunnerOutput())
         self.attn.copy_blocks(self.kv_caches, out.blocks_to_copy)
-        layout, input_ids, positions, sample_rows, sample_reqs = self._layout(out, kv)
+        if not hasattr(self, "staging"):
+            self.initialize_input_buffers(out.total_num_scheduled_tokens, len(out.scheduled), 1)
+        graph_size = None
+        if self.graphs is not None and not any(r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
+            graph_size = self.graphs.padded_size(out)
+        self.prev_sample_index = prev.sample_index if prev is not None and prev.tokens is not None else None
+        buf, layout, sample_reqs, fills = self._layout(out, kv, graph_size)
         dev = self.device
-        if self.graphs is not None and self.graphs.can_run(layout) and not any(
-                r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
-            hidden = self.graphs.run(layout, input_ids, positions)  # decode-only: replay a graph
+        num_rows = layout.num_tokens  # with graph padding
+        pinned = buf.tensors
+        if graph_size is not None:
+            ids_dev, pos_dev = self.graphs.input_ids[:num_rows], self.graphs.positions[:num_rows]
+        else:
+            ids_dev, pos_dev = self.input_ids_for(num_rows)
+        ids_dev.copy_(pinned["input_ids"][:num_rows], non_blocking=True)
+        pos_dev.copy_(pinned["positions"][:num_rows], non_blocking=True)
+        if fills:  # placeholders: the previous step's sampled tokens, gathered on the device
+            if prev is None or prev.tokens is None:
+                raise RuntimeError("a placeholder token without the step that samples it")
+            dst = pinned["fill_dst"][:fills].to(dev, non_blocking=True)
+            src = pinned["fill_src"][:fills].to(dev, non_blocking=True)
+            ids_dev[dst] = prev.tokens[src]
+        if graph_size is not None:
+            hidden = self.graphs.replay(layout)[:len(out.scheduled)]  # decode-only: replay a graph
         else:
             meta = self.attn.build_metadata(layout)
-            ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-            pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [num_tokens, hidden]
-        result = ModelRunnerOutput()
-        self._prompt_logprobs(out, layout, hidden, result)
-        if not sample_rows:
-            return result
-        rows = torch.tensor(sample_rows, device=dev)
-        logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
-        tokens_t = self.sampler.sample(logits, self.sampler.prepare(sample_reqs))
-        want = [i for i, r in enumerate(sample_reqs) if r.sampling_params.logprobs is not None]
-        if want:
-            k = max(sample_reqs[i].sampling_params.logprobs for i in want)
-            idx = torch.tensor(want, device=dev)
-            entries = _logprobs(logits[idx], tokens_t[idx], k)
-            for i, entry in zip(want, entries):
-                n = sample_reqs[i].sampling_params.logprobs
-                entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
-                result.logprobs[sample_reqs[i].request_id] = entry
-        tokens = tokens_t.tolist()
-        result.sampled_token_ids = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
-        return result
+            hidden = self.model(ids_dev, pos_dev, self.kv_caches, meta)  # [num_tokens, hidden]
+        handle = StepHandle(buf, dev)
+        self._prompt_logprobs(out, layout, hidden, handle)
+        if sample_reqs:
+            rows = pinned["sample_rows"][:len(sample_reqs)].to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
+            tokens = self.sampler.sample(logits, self.sampler.prepare(sample_reqs))
+            handle.set_tokens(tokens, sample_reqs)
+            want = [i for i, r in enumerate(sample_reqs) if r.sampling_params.logprobs is not None]
+            if want:
+                k = max(sample_reqs[i].sampling_params.logprobs for i in want)
+                idx = h2d(want, torch.long, dev)
+                handle.logprobs = ([sample_reqs[i] for i in want], _logprob_tensors(logits[idx], tokens[idx], k))
+        handle.finish()
+        return handle
+
+    def input_ids_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n > self.input_ids.shape[0]:
+            self.input_ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
+        return self.input_ids[:n], self.positions[:n]
 
     def _prompt_logprobs(self, out: SchedulerOutput, layout: BatchLayout, hidden: torch.Tensor,
-                         result: ModelRunnerOutput) -> None:
+                         handle: "StepHandle") -> None:
         """Log-probabilities of the prompt tokens this step's chunks predict (position p predicts p+1)."""
         rows, targets, spans = [], [], []
         for i, r in enumerate(out.scheduled):
@@ -177,51 +215,155 @@ class ModelRunner:
         if not rows:
             return
         dev = self.device
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
+        logits = self.model.compute_logits(hidden[h2d(rows, torch.long, dev)]).float()
         k = max(r.sampling_params.prompt_logprobs for r, _, _ in spans)
-        entries = _logprobs(logits, torch.tensor(targets, device=dev), k)
-        pos = 0
-        for r, start, n in spans:
-            mine = entries[pos:pos + n]
-            pos += n
-            for e in mine:
-                e.top_ids = e.top_ids[:r.sampling_params.prompt_logprobs]
-                e.top_logprobs = e.top_logprobs[:r.sampling_params.prompt_logprobs]
-            # entry j is for prompt position start + 1 + j
-            result.prompt_logprobs[r.request_id] = (start + 1, mine)
+        handle.prompt_logprobs = (spans, _logprob_tensors(logits, h2d(targets, torch.long, dev), k))
 
-    def _layout(self, out: SchedulerOutput, kv: KVCacheManager):
+    def _layout(self, out: SchedulerOutput, kv: KVCacheManager, graph_size: int | None):
+        """Lay the step out in the next set of staging buffers: vectorised, no per-step allocation.
+
+        With ``graph_size`` (a decode-only batch replayed as a CUDA graph), rows past the batch are
+        padding: context 1, block 0, slot -1 (nothing written), and the block tables are as wide as
+        the captured graph's.
+        """
         reqs = out.scheduled
+        n = len(reqs)
         bs = self.block_size
-        q_lens = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], dtype=np.int32)
-        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slot_mapping = np.empty(total, dtype=np.int64)
-        seq_lens = np.empty(len(reqs), dtype=np.int32)
+        nst = out.num_scheduled_tokens
+        q_lens = np.fromiter((nst[r.request_id] for r in reqs), dtype=np.int64, count=n)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=n)
         tables = [kv.block_table(r.request_id) for r in reqs]
-        block_tables = np.zeros((len(reqs), max(len(t) for t in tables)), dtype=np.int32)
-        sample_rows, sample_reqs = [], []
-        for i, (r, table) in enumerate(zip(reqs, tables)):
-            start, q = r.num_computed_tokens, int(q_lens[i])
-            off = int(query_start_loc[i])
-            end = start + q
-            input_ids[off:off + q] = r.tokens(start, end)
-            pos = np.arange(start, end, dtype=np.int64)
-            positions[off:off + q] = pos
-            block_tables[i, :len(table)] = table
-            slot_mapping[off:off + q] = block_tables[i, pos // bs].astype(np.int64) * bs + pos % bs
-            seq_lens[i] = end
-            if end >= r.num_tokens:  # the step reaches the request's last known token: sample
-                sample_rows.append(off + q - 1)
-                sample_reqs.append(r)
-                for child in r.forks:  # n > 1: the other samples draw from the same logits
-                    sample_rows.append(off + q - 1)
-                    sample_reqs.append(child)
-        layout = BatchLayout(query_start_loc, seq_lens, block_tables, slot_mapping)
-        return layout, input_ids, positions, sample_rows, sample_reqs
+        total = int(q_lens.sum())
+        rows = graph_size or n
+        num_rows = total if graph_size is None else graph_size
+        width = self.graphs.max_blocks if graph_size is not None else max(len(t) for t in tables)
+        num_forks = sum(len(r.forks) for r in reqs)
+        buf = self.staging.next(num_rows, rows + num_forks, width)
+        b = buf.np
+        qsl = b["query_start_loc"][:rows + 1]
+        qsl[0] = 0
+        np.cumsum(q_lens, out=qsl[1:n + 1])
+        ids = b["input_ids"][:num_rows]
+        ids[:total] = np.fromiter(itertools.chain.from_iterable(
+            r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens)), dtype=np.int64, count=total)
+        positions = b["positions"][:num_rows]
+        np.subtract(np.arange(total), np.repeat(qsl[:n] - starts, q_lens), out=positions[:total])
+        seq_lens = b["seq_lens"][:rows]
+        seq_lens[:n] = starts + q_lens
+        block_tables = buf.block_tables(rows, width)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        slots = b["slot_mapping"][:num_rows]
+        seq_of_token = np.repeat(np.arange(n), q_lens)
+        slots[:total] = block_tables[seq_of_token, positions[:total] // bs].astype(np.int64) * bs + positions[:total] % bs
+        if num_rows > total:  # graph padding rows: one token each
+            qsl[n + 1:] = total + np.arange(1, rows - n + 1)
+            ids[total:] = 0
+            positions[total:] = 0
+            seq_lens[n:] = 1
+            slots[total:] = -1
+        fills = 0
+        holes = np.flatnonzero(ids[:total] < 0)  # placeholders of the step in flight
+        if len(holes):
+            owners = np.searchsorted(qsl[1:n + 1], holes, side="right")
+            for hole, owner in zip(holes.tolist(), owners.tolist()):
+                b["fill_dst"][fills] = hole
+                b["fill_src"][fills] = self._prev_row(reqs[owner].request_id)
+                fills += 1
+            ids[holes] = 0
+        sample_rows, sample_reqs = b["sample_rows"], []
+        ends = starts + q_lens
+        for i, r in enumerate(reqs):
+            if ends[i] >= r.num_tokens:  # the step reaches the request's last known token: sample
+                row = qsl[i + 1] - 1
+                for req in (r, *r.forks):  # n > 1: the other samples draw from the same logits
+                    sample_rows[len(sample_reqs)] = row
+                    sample_reqs.append(req)
+        layout = BatchLayout(qsl, seq_lens, block_tables, slots)
+        return buf, layout, sample_reqs, fills
+
+    def _prev_row(self, request_id: str) -> int:
+        """The row of ``request_id``'s token in the in-flight step's sampled tokens."""
+        row = self.prev_sample_index.get(request_id) if self.prev_sample_index else None
+        if row is None:
+            raise RuntimeError(f"request {request_id!r} has a placeholder token but the step in flight "
+                               "does not sample it")
+        return row
+
+    prev_sample_index: dict[str, int] | None = None
+
+
+class StepHandle:
+    """A launched step: its sampled tokens on the device (for the next step's placeholders) and, once
+    :meth:`result` has waited for them, on the host."""
+
+    def __init__(self, buf: Any, device: torch.device):
+        self.buf, self.device = buf, device
+        self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
+        self.sample_reqs: list = []
+        self.logprobs: tuple | None = None  # (requests, tensors of _logprob_tensors)
+        self.prompt_logprobs: tuple | None = None  # (spans, tensors)
+        self.event: torch.cuda.Event | None = None
+        self._host: dict[str, Any] = {}
+        self._result: ModelRunnerOutput | None = None
+
+    @classmethod
+    def done(cls, result: ModelRunnerOutput) -> "StepHandle":
+        h = cls(None, torch.device("cpu"))
+        h._result = result
+        return h
+
+    @property
+    def sample_index(self) -> dict[str, int]:
+        return {r.request_id: i for i, r in enumerate(self.sample_reqs)}
+
+    def set_tokens(self, tokens: torch.Tensor, reqs: list) -> None:
+        self.tokens, self.sample_reqs = tokens, reqs
+
+    def finish(self) -> None:
+        """Queue the copies of the results to the host (pinned memory on CUDA) and mark their end."""
+        cuda = self.device.type == "cuda"
+        if self.tokens is not None:
+            dst = self.buf.tensors["sampled"][:len(self.sample_reqs)]
+            dst.copy_(self.tokens, non_blocking=cuda)
+            self._host["tokens"] = dst
+        for key in ("logprobs", "prompt_logprobs"):
+            part = getattr(self, key)
+            if part is not None:
+                self._host[key] = {name: _to_host(t, cuda) for name, t in part[1].items()}
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step (only for its own work: later steps may already be queued) and convert."""
+        if self._result is not None:
+            return self._result
+        if self.event is not None:
+            self.event.synchronize()
+        res = ModelRunnerOutput()
+        if self.tokens is not None:
+            res.sampled_token_ids = dict(zip((r.request_id for r in self.sample_reqs), self._host["tokens"].tolist()))
+        if self.logprobs is not None:
+            reqs = self.logprobs[0]
+            for req, entry in zip(reqs, _logprob_entries(self._host["logprobs"])):
+                n = req.sampling_params.logprobs
+                entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
+                res.logprobs[req.request_id] = entry
+        if self.prompt_logprobs is not None:
+            spans = self.prompt_logprobs[0]
+            entries = _logprob_entries(self._host["prompt_logprobs"])
+            pos = 0
+            for r, start, n in spans:
+                mine = entries[pos:pos + n]
+                pos += n
+                for e in mine:
+                    e.top_ids = e.top_ids[:r.sampling_params.prompt_logprobs]
+                    e.top_logprobs = e.top_logprobs[:r.sampling_params.prompt_logprobs]
+                res.prompt_logprobs[r.request_id] = (start + 1, mine)  # entry j: prompt position start + 1 + j
+        self._result = res
+        self.buf = None
+        return res
 
 
 def _prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayout:
@@ -234,15 +376,30 @@ def _prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayou
     return BatchLayout(qsl, np.array(lens, dtype=np.int32), tables, slots)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
-    """Log-softmax of raw logits [rows, vocab]: each row's chosen token's value and rank, and the top k."""
+def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Log-softmax of raw logits [rows, vocab]: each row's chosen token's value and rank, and the top k
+    (device tensors; :func:`_logprob_entries` reads their host copies)."""
     lp = torch.log_softmax(logits, dim=-1)
     chosen = lp.gather(1, tokens[:, None]).squeeze(1)
-    rank = (lp > chosen[:, None]).sum(dim=1) + 1
+    out = {"tokens": tokens, "chosen": chosen, "rank": (lp > chosen[:, None]).sum(dim=1) + 1}
     if k > 0:
-        top_v, top_i = lp.topk(k, dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out["top_v"], out["top_i"] = lp.topk(k, dim=-1)
+    return out
+
+
+def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
+    if not cuda:
+        return t
+    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    dst.copy_(t, non_blocking=True)
+    return dst
+
+
+def _logprob_entries(t: dict[str, torch.Tensor]) -> list[TokenLogprobs]:
+    tokens = t["tokens"].tolist()
+    if "top_v" in t:
+        top_v, top_i = t["top_v"].tolist(), t["top_i"].tolist()
     else:
-        top_v = top_i = [[] for _ in range(lp.shape[0])]
-    return [TokenLogprobs(t, c, rk, ti, tv) for t, c, rk, ti, tv in
-            zip(tokens.tolist(), chosen.tolist(), rank.tolist(), top_i, top_v)]
+        top_v = top_i = [[] for _ in tokens]
+    return [TokenLogprobs(tok, c, rk, ti, tv) for tok, c, rk, ti, tv in
+            zip(tokens, t["chosen"].tolist(), t["rank"].tolist(), top_i, top_v)]

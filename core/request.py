@@ -9,6 +9,10 @@ from typing import Any
 from kvforge.sampling_params import SamplingParams
 
 
+#: stands in ``output_token_ids`` for a token an in-flight step is sampling (async scheduling)
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,6 +58,9 @@ class Request:
     forks: list["Request"] = field(default_factory=list)
     external_tokens: bool = False  # beam search: the driver appends tokens, not the scheduler
     fork_of: "Request | None" = None
+    # async scheduling: 1 while a launched step samples this request's next token; that token is
+    # then PLACEHOLDER at the end of output_token_ids (the runner reads it from the device)
+    num_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +89,20 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    def append_placeholder(self) -> None:
+        """A launched step will sample this request's next token (see :data:`PLACEHOLDER`)."""
+        assert self.num_placeholders == 0, "one step in flight at most"
+        self.output_token_ids.append(PLACEHOLDER)
+        self.num_placeholders = 1
+
+    def resolve_placeholder(self, token: int) -> None:
+        """The step's token arrived: it replaces the placeholder."""
+        if self.num_placeholders:
+            self.output_token_ids[-1] = token
+            self.num_placeholders = 0
+        else:
+            self.output_token_ids.append(token)
 
     def check_stop(self) -> bool:
         """After a token was appended: set the finished status if a stop condition holds."""

@@ -108,13 +108,7 @@ class Scheduler(ABC):
             req = self.requests.get(rid)
             if req is None or req.finished:
                 continue
-            if req in self.running:
-                self.running.remove(req)
-            else:
-                try:
-                    self.waiting.remove(req)
-                except ValueError:
-                    pass
+            self._leave_queues(req)
             req.status = status
             req.stop_reason = stop_reason
             self._finish(req)
@@ -135,28 +129,55 @@ class Scheduler(ABC):
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled requests by the step's result; returns those that got a token.
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step was launched: count its tokens as computed, and give every request that samples
+        in it a placeholder for the token, so the next step can be scheduled before the token is
+        known (async scheduling; the engine calls this after it has applied the previous step).
 
-        Finished requests leave the running list and free their blocks here.
+        A request whose placeholder is its last token (``max_tokens``) has nothing left to compute:
+        it is marked fully computed so that no later step schedules it before it finishes.
+        """
+        for req in output.scheduled:
+            if req.finished:
+                continue
+            req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
+            if req.num_computed_tokens < req.num_tokens or req.external_tokens:
+                continue  # a prompt chunk that does not reach the end, or beam search's own tokens
+            req.append_placeholder()
+            if len(req.output_token_ids) >= req.max_tokens:
+                req.num_computed_tokens = req.num_tokens
+
+    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply a finished step's sampled tokens (replacing the placeholders :meth:`advance` gave);
+        returns the requests that got a token. Finished requests leave the queues and free their
+        blocks here. A request preempted after its step was launched still takes its token.
         """
         sampled = runner_output.sampled_token_ids
         updated = []
         for req in output.scheduled:
             if req.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
             token = sampled.get(req.request_id)
             if token is None or req.external_tokens:
                 continue
-            req.output_token_ids.append(token)
+            req.resolve_placeholder(token)
             updated.append(req)
             if req.forks:
                 updated.extend(self._fork(req, sampled))
             if req.check_stop():
-                self.running.remove(req)
+                self._leave_queues(req)
                 self._finish(req)
         return updated
+
+    def _leave_queues(self, req: Request) -> None:
+        """Take a request that just finished out of whichever queue holds it."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
 
     def _fork(self, req: Request, sampled: dict[str, int]) -> list[Request]:
         """Sample 0 finished the prompt: its forks share its blocks and start with their own token."""

@@ -129,7 +129,9 @@ class PagedKVCacheManager(KVCacheManager):
             if computed_blocks:
                 self.num_hashed[rid] = 0
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, table, min(total, request.num_tokens))
+            # only blocks of known tokens: an in-flight step's placeholder (async scheduling) is not one
+            known = request.num_tokens - getattr(request, "num_placeholders", 0)
+            self._cache_full_blocks(request, table, min(total, known))
         return True
 
     def _needs_cow(self, table: list[int], num_computed: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from kvforge.input_buffers import h2d
 from kvforge.request import Request
 from kvforge.sampler import Sampler
 
@@ -53,15 +54,14 @@ class DefaultSampler(Sampler):
         all_greedy = all(greedy)
         st = SamplingState(None, None, all_greedy, any(greedy))
         if not all_greedy:
-            st.temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                          dtype=torch.float32).to(dev)
-            st.greedy = torch.tensor(greedy).to(dev)
+            st.temperature = h2d([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, dev)
+            st.greedy = h2d(greedy, torch.bool, dev)
             if any(0 < p.top_k < vocab for p in params):
-                st.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).to(dev)
+                st.top_k = h2d([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
             if any(p.top_p < 1.0 for p in params):
-                st.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
+                st.top_p = h2d([p.top_p for p in params], torch.float32, dev)
             if any(p.min_p > 0.0 for p in params):
-                st.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev)
+                st.min_p = h2d([p.min_p for p in params], torch.float32, dev)
             for row, req in enumerate(requests):
                 seed = req.sampling_params.seed
                 if seed is not None and not greedy[row]:
@@ -81,7 +81,7 @@ class DefaultSampler(Sampler):
             names = sorted({n for p in params for n in (p.logits_processors or [])})
             for name in names:
                 rows = [i for i, p in enumerate(params) if name in (p.logits_processors or [])]
-                st.processors.append((self.get_processor(name), torch.tensor(rows, device=dev),
+                st.processors.append((self.get_processor(name), h2d(rows, torch.long, dev),
                                       [requests[i] for i in rows]))
         return st
 
@@ -110,10 +110,10 @@ class DefaultSampler(Sampler):
                 allowed_rows.append(row)
         dev = self.device
         if ban_rows:
-            st.banned = (torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev))
+            st.banned = (h2d(ban_rows, torch.long, dev), h2d(ban_ids, torch.long, dev))
         if bias_rows:
-            st.bias = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
-                       torch.tensor(bias_vals, dtype=torch.float32, device=dev))
+            st.bias = (h2d(bias_rows, torch.long, dev), h2d(bias_ids, torch.long, dev),
+                       h2d(bias_vals, torch.float32, dev))
         if allowed_rows:
             allowed = torch.ones(len(requests), self.vocab_size, dtype=torch.bool)
             for row in allowed_rows:

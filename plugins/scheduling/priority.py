@@ -213,16 +213,13 @@ class PriorityScheduler(FCFSScheduler):
         self.num_preemptions_swap += 1
         self.swapped.append(req)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
-                        stop_reason: int | str | None = None) -> list[Request]:
-        ids = list(request_ids)
-        for rid in ids:
-            req = self.requests.get(rid)
-            if req is not None and req.status == RequestStatus.SWAPPED:
-                self.swapped.remove(req)  # the base class frees its CPU blocks with its device ones
-                del self._swapped_blocks[rid]
-                self._swap_out.pop(rid, None)  # preempted outside a step: its copies are moot
-        return super().finish_requests(ids, status, stop_reason)
+    def _leave_queues(self, req: Request) -> None:
+        if req.request_id in self._swapped_blocks:  # the base class frees its CPU blocks with its device ones
+            self.swapped.remove(req)
+            del self._swapped_blocks[req.request_id]
+            self._swap_out.pop(req.request_id, None)  # preempted outside a step: its copies are moot
+            return
+        super()._leave_queues(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.swapped) or super().has_unfinished()

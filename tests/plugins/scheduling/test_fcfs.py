@@ -5,7 +5,7 @@ import pytest
 
 from kvforge.plugins.kv_cache.paged import PagedKVCacheManager
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
-from kvforge.request import Request, RequestStatus
+from kvforge.request import PLACEHOLDER, Request, RequestStatus
 from kvforge.sampling_params import SamplingParams
 from kvforge.scheduler import ModelRunnerOutput
 
@@ -26,6 +26,7 @@ def fake_step(s):
     out = s.schedule()
     sampled = {r.request_id: 7 for r in out.scheduled
                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens}
+    s.advance(out)
     s.update(out, ModelRunnerOutput(sampled))
     return out
 
@@ -55,6 +56,28 @@ def test_decodes_and_new_prefill_share_one_budget():
     s.add(req("b", 30))
     out = s.schedule()
     assert out.num_scheduled_tokens == {"a": 1, "b": 9}
+
+
+def test_async_schedule_before_the_token_is_known():
+    """The next step is scheduled while the current one's token is a placeholder; the step that
+    samples the last token (max_tokens) is not followed by another."""
+    s = make(budget=64)
+    s.add(req("a", 5, max_tokens=3))
+    a = s.requests["a"]
+    out1 = s.schedule()
+    s.advance(out1)  # the prefill is in flight
+    assert a.output_token_ids == [PLACEHOLDER] and a.num_computed_tokens == 5
+    out2 = s.schedule()
+    assert out2.num_scheduled_tokens == {"a": 1}  # the placeholder's decode
+    assert s.update(out1, ModelRunnerOutput({"a": 7})) == [a]
+    s.advance(out2)
+    assert a.output_token_ids == [7, PLACEHOLDER]
+    out3 = s.schedule()
+    s.update(out2, ModelRunnerOutput({"a": 8}))
+    s.advance(out3)  # its token will be the third and last
+    assert s.schedule().is_empty
+    s.update(out3, ModelRunnerOutput({"a": 9}))
+    assert a.output_token_ids == [7, 8, 9] and a.finished and s.kv_cache.stats().num_used_blocks == 0
 
 
 def test_max_num_seqs():

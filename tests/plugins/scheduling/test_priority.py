@@ -69,6 +69,7 @@ def step(s):
     s.cache.run(out)
     sampled = {r.request_id: 7 for r in out.scheduled
                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens}
+    s.advance(out)
     s.update(out, ModelRunnerOutput(sampled))
     return out
 
