@@ -23,6 +23,9 @@ class AttentionCapabilities:
     head_sizes: tuple[int, ...] | None = None  # None: any head size
     block_sizes: tuple[int, ...] | None = None  # None: any block size
     supports_cuda_graphs: bool = False
+    # build_metadata may run while the GPU still runs the previous step (async scheduling): it keeps
+    # no host buffer that a queued copy of the previous step could still be reading
+    supports_async_scheduling: bool = True
     min_compute_capability: tuple[int, int] | None = None
 
 

@@ -11,8 +11,11 @@ from kvforge.plugin_manager import KINDS, PluginManager
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` preference for attention backends, best first.
-ATTENTION_PREFERENCE = {"cuda": ["flashinfer", "flash_attn", "triton", "torch"], "cpu": ["torch"]}
+#: ``auto`` preference for attention backends, best first. On CUDA ``triton`` leads: its decode is the
+#: fastest measured (88-101% of the H200's copy bandwidth) and replays in CUDA graphs, and its slower
+#: prefill (1.5x FA4's attention time) costs little, attention being ~4% of a prefill step
+#: (docs/benchmarks.md).
+ATTENTION_PREFERENCE = {"cuda": ["triton", "flashinfer", "flash_attn", "torch"], "cpu": ["torch"]}
 
 #: config field naming the selected component of each kind
 SELECTING_FIELD = {"attention_backend": "attention_backend", "scheduler": "scheduler", "sampler": "sampler",

@@ -89,6 +89,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # over fixed index buffers and re-planned before each replay, and a K/V write that skips the
         # padding rows' slot -1 (index_copy_ cannot). Until then graphs would replay a stale plan.
         supports_cuda_graphs=False,
+        # plan() fills one pinned host buffer per wrapper and queues its copy to the device: planning
+        # the next step while the previous one's copy may still be queued could overwrite it
+        supports_async_scheduling=False,
         min_compute_capability=(8, 0),
     )
 

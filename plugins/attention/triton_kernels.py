@@ -82,7 +82,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, n0, se
     return m_new, l_i, acc
 
 
-@triton.jit
+# NOTE: per-step values are not specialised on: the block-table width, the split count, and the
+# index arrays that are slices of one packed buffer (their 16-byte alignment depends on the number of
+# decodes). Triton would otherwise compile a variant (~2 s) for each class it meets, mid-serving.
+@triton.jit(do_not_specialize=["stride_bt", "tile_seq_ptr", "tile_q0_ptr"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr, qsl_ptr, seq_lens_ptr,
                     bt_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_cs, stride_ch,
@@ -130,7 +133,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr,
              mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "dec_seq_ptr"])
 def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr,
                    seq_lens_ptr, bt_ptr, qk_scale, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_bt, stride_cb, stride_cs, stride_ch,
@@ -180,7 +183,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_m, part_l, part_acc, d
         tl.store(part_acc + p[:, None] * HEAD + offs_d[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "dec_seq_ptr"])
 def _reduce_kernel(out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr, num_heads, num_splits,
                    stride_ot, stride_oh, BLOCK_S: tl.constexpr, HEAD: tl.constexpr):
     """Grid (num_decodes, num_heads): combine the num_splits partials of one query head."""
@@ -290,4 +293,4 @@ def decode_attention(q, kv_cache, out, dec_seq, query_start_loc, seq_lens, block
     if num_splits > 1:
         _reduce_kernel[(n, heads)](
             out, part_m, part_l, part_acc, dec_seq, query_start_loc, heads, num_splits, out.stride(0),
-            out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits), HEAD=d, num_warps=4)
+            out.stride(1), BLOCK_S=max(16, triton.next_power_of_2(num_splits)), HEAD=d, num_warps=4)  # few variants

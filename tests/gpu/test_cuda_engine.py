@@ -63,25 +63,21 @@ def test_async_scheduling_matches_sync_on_cuda(check_no_blocks):
     assert got == [o.outputs[0].token_ids for o in off.generate(prompts, p, use_tqdm=False)]
 
 
-def test_fused_ops_match_torch_path_bf16(monkeypatch):
-    """The fused RMSNorm/RoPE/SiLU kernels against the plain torch ops, default model in bf16: equal
-    log-probabilities up to the first difference, and any difference a near-tie."""
+def test_fused_ops_match_torch_path_fp32(monkeypatch):
+    """The fused RMSNorm/RoPE/SiLU kernels against the plain torch ops on the default model in float32
+    (eager both ways): the same greedy tokens, log-probabilities equal to float noise."""
     from kvforge.plugins.models import fused_ops
 
-    p = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
-    llm = LLM(device="cuda", dtype="bfloat16", attention_backend="triton", gpu_memory_utilization=0.3,
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
+    llm = LLM(device="cuda", dtype="float32", attention_backend="triton", gpu_memory_utilization=0.3,
               enforce_eager=True)  # a captured graph would keep the fused kernels
     fused = [o.outputs[0] for o in llm.generate(PROMPTS, p, use_tqdm=False)]
     monkeypatch.setattr(fused_ops, "use_fused", lambda x: False)
     plain = [o.outputs[0] for o in llm.generate(PROMPTS, p, use_tqdm=False)]
-    identical = 0
+    worst = 0.0
     for f, e in zip(fused, plain):
-        n = next((i for i, (a, b) in enumerate(zip(f.token_ids, e.token_ids)) if a != b), len(e.token_ids))
-        identical += n == len(e.token_ids)
-        for i in range(n):
-            assert abs(f.logprobs[i][e.token_ids[i]].logprob - e.logprobs[i][e.token_ids[i]].logprob) < 0.05
-        if n < len(e.token_ids):
-            ref = e.logprobs[n]
-            assert f.token_ids[n] in ref and ref[e.token_ids[n]].logprob - ref[f.token_ids[n]].logprob < 0.1
-    print(f"fused vs torch ops: {identical}/{len(PROMPTS)} identical")
-    assert identical >= len(PROMPTS) // 2
+        assert f.token_ids == e.token_ids
+        for lf, le, t in zip(f.logprobs, e.logprobs, e.token_ids):
+            worst = max(worst, abs(lf[t].logprob - le[t].logprob))
+    print(f"fused vs torch ops (fp32): largest log-probability difference {worst:.2e}")
+    assert worst < 1e-3
