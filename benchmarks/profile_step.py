@@ -31,7 +31,10 @@ def main() -> None:
 
     from kvforge import LLM, SamplingParams
 
-    llm = LLM(args.model, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    # synchronous steps: with async scheduling the phases overlap the GPU, and the syncs below would
+    # serialise them anyway
+    llm = LLM(args.model, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              async_scheduling=False)
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
     prompts = torch.randint(100, vocab - 100, (args.num_prompts, args.input_len),
@@ -58,8 +61,12 @@ def main() -> None:
         runner.graphs.replay = timed("GPU: model forward (graph replay)", runner.graphs.replay)
     runner.model.compute_logits = timed("GPU: logits", runner.model.compute_logits)
     runner.sampler.prepare = timed("sampling: prepare", runner.sampler.prepare)
-    runner.sampler.sample = timed("sampling: sample + host sync", runner.sampler.sample)
+    runner.sampler.sample = timed("sampling: sample", runner.sampler.sample)
     eng.scheduler.update = timed("update: scheduler", eng.scheduler.update)
+    eng.scheduler.advance = timed("update: scheduler advance", eng.scheduler.advance)
+    from kvforge.model_runner import StepHandle
+    StepHandle.finish = timed("output: copy results to host", StepHandle.finish)
+    StepHandle.result = timed("output: wait, tokens to Python", StepHandle.result)
     eng.outputs.process = timed("output: detokenize, stop checks", eng.outputs.process)
     step = eng.step
     n_steps = 0

@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                         help="never capture or replay CUDA graphs")
     parser.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
-                        help="schedule the next step while the GPU runs the current one (the default)")
+                        help="schedule the next step while the GPU runs the current one (default: on CUDA only)")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

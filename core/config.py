@@ -51,7 +51,9 @@ class EngineConfig:
     enforce_eager: never use CUDA graphs (by default decode-only steps replay graphs captured at
         batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, when the attention backend allows).
     async_scheduling: schedule and lay out the next step while the GPU runs the current one (the
-        next step's tokens come from the device); a step whose requests need their sampled tokens
+        next step's tokens come from the device). None (the default): on for CUDA, off on the CPU,
+        where torch runs every op in the calling thread and nothing could overlap; True forces it
+        on (tests use that on the CPU). A step whose requests need their sampled tokens
         on the host first (structured outputs, penalties, bad words, min_tokens, logits processors,
         n > 1 before the fork, beam search) is waited for before the next one is scheduled.
     attention_backend / scheduler / sampler / kv_cache_manager: plugin names.
@@ -75,7 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     enforce_eager: bool = False
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None
     attention_backend: str = "auto"
     scheduler: str = "fcfs"
     sampler: str = "default"
@@ -111,8 +113,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -70,8 +70,9 @@ class LLMEngine:
         self.max_model_len = max_len
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.initialize_input_buffers(config.max_num_batched_tokens, config.max_num_seqs, max_len)
-        self.async_scheduling = config.async_scheduling and attn_cls.capabilities.supports_async_scheduling
-        if config.async_scheduling and not self.async_scheduling:
+        wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.async_scheduling = wanted and attn_cls.capabilities.supports_async_scheduling
+        if wanted and not self.async_scheduling:
             logger.info("async scheduling off: attention backend %s plans on the host per step", attn_name)
         self.cuda_graph_capture_s = None
         if (self.device.type == "cuda" and not config.enforce_eager

@@ -66,3 +66,16 @@ def assert_no_blocks_held(engine):
 @pytest.fixture
 def check_no_blocks():
     return assert_no_blocks_held
+
+
+@pytest.fixture
+def run_in_triton_interpreter():
+    """Re-run a test file in a fresh Python with TRITON_INTERPRET=1 (the interpreter must be on before
+    triton is first imported, and off for every other test) and check that it passed."""
+    def run(path: str) -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+        assert " passed" in proc.stdout and " skipped" in proc.stdout  # and the parent-only test skipped
+    return run

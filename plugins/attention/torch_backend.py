@@ -30,8 +30,10 @@ class TorchAttentionBackend(AttentionBackend):
         if len(decode):
             dec_max_blocks = int(-(-layout.seq_lens[decode].max() // bs))
             dev = self.device
+            all_decode = len(decode) == layout.num_seqs == layout.num_tokens
             meta.extra["decode"] = (
-                torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(dev),  # token index
+                # token index of each decode; None when the step is decode-only (token i = sequence i)
+                None if all_decode else torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(dev),
                 torch.from_numpy(np.ascontiguousarray(layout.block_tables[decode, :dec_max_blocks])).to(dev),
                 torch.from_numpy(layout.seq_lens[decode].astype(np.int64)).to(dev),
                 dec_max_blocks * bs,
@@ -67,8 +69,10 @@ class TorchAttentionBackend(AttentionBackend):
             keys = k_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2).to(acc)
             vals = v_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2).to(acc)
             mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-            qd = q[tok_idx].unsqueeze(2)  # [n, heads, 1, head_size]
+            qd = (q if tok_idx is None else q[tok_idx]).unsqueeze(2)  # [n, heads, 1, head_size]
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            if tok_idx is None:
+                return o.squeeze(2).to(out.dtype)
             out[tok_idx] = o.squeeze(2).to(out.dtype)
 
         for start, end, ctx_len, blocks in meta.extra["prefill"]:

@@ -79,10 +79,24 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._cached: tuple | None = None  # (positions, dtype, cos rows, sin rows) of the last forward
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim] (rotated in place when fused)
-        return fused_ops.rope(positions, q, k, self.cos, self.sin)
+        if fused_ops.use_fused(q):
+            return fused_ops.rope(positions, q, k, self.cos, self.sin)
+        # torch path: every layer rotates at the same positions; gather cos/sin once per forward (the
+        # key is the tensor itself and its version counter; never while a CUDA graph is captured)
+        key = (positions, positions._version, q.dtype)
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or self._cached is None or self._cached[0] != key[1:] or self._cached[1] is not positions:
+            c = self.cos[positions].to(q.dtype).unsqueeze(1)
+            s = self.sin[positions].to(q.dtype).unsqueeze(1)
+            if capturing:
+                return q * c + fused_ops._rotate_half(q) * s, k * c + fused_ops._rotate_half(k) * s
+            self._cached = (key[1:], positions, c, s)
+        _, _, c, s = self._cached
+        return q * c + fused_ops._rotate_half(q) * s, k * c + fused_ops._rotate_half(k) * s
 
 
 class LlamaAttention(nn.Module):

@@ -9,7 +9,8 @@ from kvforge.request import PLACEHOLDER
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(max_model_len=512, num_gpu_blocks_override=256, device="cpu")
-    return LLM("dummy:tiny", **kw), LLM("dummy:tiny", async_scheduling=False, **kw)
+    # forced on: the CPU default is off (nothing overlaps there), the logic is the same as on CUDA
+    return LLM("dummy:tiny", async_scheduling=True, **kw), LLM("dummy:tiny", async_scheduling=False, **kw)
 
 
 def _run(llm, prompts, params):
@@ -71,6 +72,10 @@ def test_staging_buffers_are_reused(engines):
     ptrs = {id(s): s.tensors["input_ids"].data_ptr() for s in runner.staging.sets}
     on.generate([[7, 8, 9]] * 3, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert {id(s): s.tensors["input_ids"].data_ptr() for s in runner.staging.sets} == ptrs
+
+
+def test_default_is_on_for_cuda_only(tiny_llm):
+    assert tiny_llm.llm_engine.config.async_scheduling is None and not tiny_llm.llm_engine.async_scheduling
 
 
 def test_cli_flag():

@@ -3,13 +3,11 @@
 NOTE: the interpreter must be on (TRITON_INTERPRET=1) before triton.language is first imported, and
 must stay off for every other test of the session (a GPU run, other triton users). So the kernel
 tests run only where TRITON_INTERPRET=1 is set for the whole process: test_kernels_in_interpreter
-re-runs this file in a fresh Python process with it set. To debug one case directly:
+re-runs this file in a fresh Python process with it set (the run_in_triton_interpreter fixture). To debug one case directly:
 TRITON_INTERPRET=1 python -m pytest tests/plugins/attention/test_triton_backend.py -k mixed
 """
 import importlib.util
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,12 +25,8 @@ interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in test_kernel
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the interpreter")
-def test_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and " skipped" in proc.stdout  # and the parent-only test skipped
+def test_kernels_in_interpreter(run_in_triton_interpreter):
+    run_in_triton_interpreter(__file__)
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ imported, so the kernel tests run in a subprocess with TRITON_INTERPRET=1 (test_
 """
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,12 +19,8 @@ interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in test_kernel
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the interpreter")
-def test_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and " skipped" in proc.stdout
+def test_kernels_in_interpreter(run_in_triton_interpreter):
+    run_in_triton_interpreter(__file__)
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="outside the interpreter only")
