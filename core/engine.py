@@ -259,10 +259,7 @@ class LLMEngine:
         placeholder token (``Request.append_placeholder``) that N+1 reads from the device.
         """
         outputs: list[RequestOutput] = []
-        prev = self._inflight
-        if prev is not None and not self._may_overlap(prev[0]):
-            outputs += self._complete(prev)
-            prev = self._inflight = None
+        prev = self._inflight  # only ever a step that passed _may_overlap
         self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
         handle = self.runner.launch(sched_out, self.kv_cache, prev=prev[1] if prev is not None else None)

@@ -67,3 +67,13 @@ def h2d(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def d2h(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's host copy, queued without waiting (into pinned memory on CUDA); read it only
+    after the stream has passed this point (an event)."""
+    if t.device.type != "cuda":
+        return t
+    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    dst.copy_(t, non_blocking=True)
+    return dst

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvforge.attention import AttentionBackend, BatchLayout
-from kvforge.input_buffers import StagingBuffers, h2d
+from kvforge.input_buffers import StagingBuffers, d2h, h2d
 from kvforge.kv_cache import KVCacheManager
 from kvforge.sampler import Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -133,11 +133,6 @@ class ModelRunner:
         self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
-        """Run one step and wait for its result."""
-        return self.launch(out, kv).result()
-
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput, kv: KVCacheManager, prev: "StepHandle | None" = None) -> "StepHandle":
         """Queue one step's GPU work and return at once; ``StepHandle.result()`` waits for it.
 
@@ -149,13 +144,10 @@ class ModelRunner:
         if out.is_empty:
             return StepHandle.done(ModelRunnerOutput())
         self.attn.copy_blocks(self.kv_caches, out.blocks_to_copy)
-        if not hasattr(self, "staging"):
-            self.initialize_input_buffers(out.total_num_scheduled_tokens, len(out.scheduled), 1)
         graph_size = None
         if self.graphs is not None and not any(r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
             graph_size = self.graphs.padded_size(out)
-        self.prev_sample_index = prev.sample_index if prev is not None and prev.tokens is not None else None
-        buf, layout, sample_reqs, fills = self._layout(out, kv, graph_size)
+        buf, layout, sample_reqs, fills = self._layout(out, kv, graph_size, prev)
         dev = self.device
         num_rows = layout.num_tokens  # with graph padding
         pinned = buf.tensors
@@ -166,8 +158,6 @@ class ModelRunner:
         ids_dev.copy_(pinned["input_ids"][:num_rows], non_blocking=True)
         pos_dev.copy_(pinned["positions"][:num_rows], non_blocking=True)
         if fills:  # placeholders: the previous step's sampled tokens, gathered on the device
-            if prev is None or prev.tokens is None:
-                raise RuntimeError("a placeholder token without the step that samples it")
             dst = pinned["fill_dst"][:fills].to(dev, non_blocking=True)
             src = pinned["fill_src"][:fills].to(dev, non_blocking=True)
             ids_dev[dst] = prev.tokens[src]
@@ -219,7 +209,8 @@ class ModelRunner:
         k = max(r.sampling_params.prompt_logprobs for r, _, _ in spans)
         handle.prompt_logprobs = (spans, _logprob_tensors(logits, h2d(targets, torch.long, dev), k))
 
-    def _layout(self, out: SchedulerOutput, kv: KVCacheManager, graph_size: int | None):
+    def _layout(self, out: SchedulerOutput, kv: KVCacheManager, graph_size: int | None,
+                prev: "StepHandle | None"):
         """Lay the step out in the next set of staging buffers: vectorised, no per-step allocation.
 
         With ``graph_size`` (a decode-only batch replayed as a CUDA graph), rows past the batch are
@@ -262,14 +253,18 @@ class ModelRunner:
             positions[total:] = 0
             seq_lens[n:] = 1
             slots[total:] = -1
-        fills = 0
-        holes = np.flatnonzero(ids[:total] < 0)  # placeholders of the step in flight
-        if len(holes):
+        holes = np.flatnonzero(ids[:total] < 0)  # placeholders: tokens the step in flight samples
+        fills = len(holes)
+        if fills:
+            prev_rows = {r.request_id: i for i, r in enumerate(prev.sample_reqs)} if prev is not None else {}
             owners = np.searchsorted(qsl[1:n + 1], holes, side="right")
-            for hole, owner in zip(holes.tolist(), owners.tolist()):
-                b["fill_dst"][fills] = hole
-                b["fill_src"][fills] = self._prev_row(reqs[owner].request_id)
-                fills += 1
+            b["fill_dst"][:fills] = holes
+            for j, owner in enumerate(owners.tolist()):
+                row = prev_rows.get(reqs[owner].request_id)
+                if row is None:
+                    raise RuntimeError(f"request {reqs[owner].request_id!r} has a placeholder token but the "
+                                       "step in flight does not sample it")
+                b["fill_src"][j] = row
             ids[holes] = 0
         sample_rows, sample_reqs = b["sample_rows"], []
         ends = starts + q_lens
@@ -281,16 +276,6 @@ class ModelRunner:
                     sample_reqs.append(req)
         layout = BatchLayout(qsl, seq_lens, block_tables, slots)
         return buf, layout, sample_reqs, fills
-
-    def _prev_row(self, request_id: str) -> int:
-        """The row of ``request_id``'s token in the in-flight step's sampled tokens."""
-        row = self.prev_sample_index.get(request_id) if self.prev_sample_index else None
-        if row is None:
-            raise RuntimeError(f"request {request_id!r} has a placeholder token but the step in flight "
-                               "does not sample it")
-        return row
-
-    prev_sample_index: dict[str, int] | None = None
 
 
 class StepHandle:
@@ -313,10 +298,6 @@ class StepHandle:
         h._result = result
         return h
 
-    @property
-    def sample_index(self) -> dict[str, int]:
-        return {r.request_id: i for i, r in enumerate(self.sample_reqs)}
-
     def set_tokens(self, tokens: torch.Tensor, reqs: list) -> None:
         self.tokens, self.sample_reqs = tokens, reqs
 
@@ -330,7 +311,7 @@ class StepHandle:
         for key in ("logprobs", "prompt_logprobs"):
             part = getattr(self, key)
             if part is not None:
-                self._host[key] = {name: _to_host(t, cuda) for name, t in part[1].items()}
+                self._host[key] = {name: d2h(t) for name, t in part[1].items()}
         if cuda:
             self.event = torch.cuda.Event()
             self.event.record()
@@ -385,14 +366,6 @@ def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict
     if k > 0:
         out["top_v"], out["top_i"] = lp.topk(k, dim=-1)
     return out
-
-
-def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
-    if not cuda:
-        return t
-    dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    dst.copy_(t, non_blocking=True)
-    return dst
 
 
 def _logprob_entries(t: dict[str, torch.Tensor]) -> list[TokenLogprobs]:

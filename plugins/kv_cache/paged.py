@@ -130,7 +130,7 @@ class PagedKVCacheManager(KVCacheManager):
                 self.num_hashed[rid] = 0
         if self.enable_prefix_caching:
             # only blocks of known tokens: an in-flight step's placeholder (async scheduling) is not one
-            known = request.num_tokens - getattr(request, "num_placeholders", 0)
+            known = request.num_tokens - request.num_placeholders
             self._cache_full_blocks(request, table, min(total, known))
         return True
 

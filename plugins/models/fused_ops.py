@@ -134,11 +134,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_tables(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's cos/sin rows for ``positions``, cast to ``dtype``: [T, 1, head_dim] each."""
+    return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+
+
+def rope_with_tables(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor,
+                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
 def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c = cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
-    s = sin[positions].to(q.dtype).unsqueeze(1)
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    return rope_with_tables(q, k, *rope_tables(positions, cos, sin, q.dtype))
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -7,8 +7,9 @@ where each checkpoint tensor goes.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -79,24 +80,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self._cached: tuple | None = None  # (positions, dtype, cos rows, sin rows) of the last forward
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin rows for the torch path, gathered once per forward and shared by every layer; None
+        when the fused kernel runs (it reads the caches itself)."""
+        if fused_ops.use_fused(like):
+            return None
+        return fused_ops.rope_tables(positions, self.cos, self.sin, like.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim] (rotated in place when fused)
-        if fused_ops.use_fused(q):
-            return fused_ops.rope(positions, q, k, self.cos, self.sin)
-        # torch path: every layer rotates at the same positions; gather cos/sin once per forward (the
-        # key is the tensor itself and its version counter; never while a CUDA graph is captured)
-        key = (positions, positions._version, q.dtype)
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or self._cached is None or self._cached[0] != key[1:] or self._cached[1] is not positions:
-            c = self.cos[positions].to(q.dtype).unsqueeze(1)
-            s = self.sin[positions].to(q.dtype).unsqueeze(1)
-            if capturing:
-                return q * c + fused_ops._rotate_half(q) * s, k * c + fused_ops._rotate_half(k) * s
-            self._cached = (key[1:], positions, c, s)
-        _, _, c, s = self._cached
-        return q * c + fused_ops._rotate_half(q) * s, k * c + fused_ops._rotate_half(k) * s
+        if tables is not None:
+            return fused_ops.rope_with_tables(q, k, *tables)
+        return fused_ops.rope(positions, q, k, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -119,7 +116,7 @@ class LlamaAttention(nn.Module):
         return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                 "v": (self.q_size + self.kv_size, self.kv_size)}[shard]  # type: ignore[index]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: Callable,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -157,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                rope: RotaryEmbedding, kv_cache: torch.Tensor,
+                rope: Callable, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried separately so that each residual add is fused into the next
         norm: returns (this layer's MLP output, the residual stream before it is added)."""
@@ -183,8 +180,9 @@ class LlamaModel(nn.Module):
                 attn_meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        rope = functools.partial(self.rotary_emb, tables=self.rotary_emb.tables(positions, hidden))
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, self.rotary_emb, kv_caches[i], attn_meta)
+            hidden, residual = layer(positions, hidden, residual, rope, kv_caches[i], attn_meta)
         return self.norm(hidden, residual)[0]
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge.attention import BatchLayout
 from kvforge.plugin_manager import get_plugin_manager
+from testing_support import random_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -48,24 +48,9 @@ def backend_class(name: str):
 
 
 def make_layout(specs, block_size, rng):
-    """A BatchLayout whose sequences own random, shuffled physical blocks; returns (layout, num_blocks)."""
-    need = [-(-(p + q) // block_size) for p, q in specs]
-    num_blocks = sum(need) + 16
-    blocks = rng.permutation(num_blocks)
-    tables, slots, used = [], [], 0
-    for (prefix, q_len), n in zip(specs, need):
-        tables.append(blocks[used:used + n])
-        used += n
-        pos = np.arange(prefix, prefix + q_len)
-        slots.append(tables[-1][pos // block_size] * block_size + pos % block_size)
-    bt = np.zeros((len(specs), max(need)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = t
-    q_lens = np.array([q for _, q in specs])
-    layout = BatchLayout(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-                         np.array([p + q for p, q in specs], dtype=np.int32), bt,
-                         np.concatenate(slots).astype(np.int64))
-    return layout, num_blocks
+    """A random-block layout with 16 spare blocks; returns (layout, num_blocks)."""
+    num_blocks = sum(-(-(p + q) // block_size) for p, q in specs) + 16
+    return random_layout(specs, block_size, rng, num_blocks), num_blocks
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -7,30 +7,12 @@ import pytest
 import torch
 
 from kvforge.attention import BatchLayout
+from testing_support import random_layout
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 HEADS, KV_HEADS = 32, 8  # GQA 4
-
-
-def _layout(specs, block_size, num_blocks, rng):
-    """A BatchLayout for (cached prefix, new tokens) per sequence, over shuffled physical blocks."""
-    blocks = rng.permutation(num_blocks)
-    tables, slots, used = [], [], 0
-    for prefix, q_len in specs:
-        n = -(-(prefix + q_len) // block_size)
-        tables.append(blocks[used:used + n])
-        used += n
-        pos = np.arange(prefix, prefix + q_len)
-        slots.append(tables[-1][pos // block_size] * block_size + pos % block_size)
-    bt = np.zeros((len(specs), max(len(t) for t in tables)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = t
-    q_lens = np.array([q for _, q in specs])
-    return BatchLayout(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-                       seq_lens=np.array([p + q for p, q in specs], dtype=np.int32),
-                       block_tables=bt, slot_mapping=np.concatenate(slots).astype(np.int64))
 
 
 def _backends(head_size, block_size, **options):
@@ -52,7 +34,7 @@ def _compare(specs, head_size, block_size, seed=0, **options):
     torch.manual_seed(seed)
     ref, tri = _backends(head_size, block_size, **options)
     num_blocks = sum(-(-(p + q) // block_size) for p, q in specs) + 8
-    layout = _layout(specs, block_size, num_blocks, rng)
+    layout = random_layout(specs, block_size, rng, num_blocks)
     t = layout.num_tokens
     q = torch.randn(t, HEADS, head_size, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, KV_HEADS, head_size, device="cuda", dtype=torch.bfloat16)
@@ -92,7 +74,7 @@ def test_decode_replays_in_cuda_graph():
     rng = np.random.default_rng(1)
     ref, tri = _backends(128, 16)
     first, later = [(500, 1), (3000, 1)], [(900, 1), (4000, 1)]
-    layout = _layout(later, 16, 400, rng)
+    layout = random_layout(later, 16, rng, 400)
     # the first step uses the same blocks with shorter contexts: only seq_lens and slots differ
     pos = np.array([p for p, _ in first])
     layout0 = BatchLayout(query_start_loc=layout.query_start_loc, seq_lens=pos.astype(np.int32) + 1,

@@ -4,10 +4,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from kvforge.bench.serve import wait_healthy
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
@@ -27,18 +28,13 @@ class ServerProcess:
                "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "512", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
-        deadline = time.time() + 120
-        while time.time() < deadline:
+        try:
+            wait_healthy(self.url, 120, alive=lambda: self.proc.poll() is None)
+        except RuntimeError:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not become healthy in time")
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}") from None
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge.attention import BatchLayout
 from kvforge.builder import select_attention_backend
 from kvforge.plugin_manager import get_plugin_manager, reset_plugin_manager
 from kvforge.plugins.attention import flash_attn_backend as fa_mod
-from kvforge.plugins.attention import flashinfer_backend as fi_mod
 from kvforge.plugins.attention.flash_attn_backend import FlashAttnBackend
 from kvforge.plugins.attention.flashinfer_backend import (FlashInferAttentionBackend, as_slice, plan_paged_indices,
                                                           token_indices)
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
+from testing_support import random_layout
 
 CUDA = torch.device("cuda")
 FA_MODULES = ("flash_attn", "flash_attn.cute", "flash_attn_interface")
@@ -252,22 +251,7 @@ DECODES_FIRST = [(21, 1), (4, 1), (16, 1), (20, 7), (0, 19)]  # contiguous group
 
 
 def make_layout(specs, block_size, rng, num_blocks=NUM_BLOCKS):
-    """A BatchLayout whose sequences own random, shuffled physical blocks."""
-    blocks = rng.permutation(num_blocks)
-    tables, slots, used = [], [], 0
-    for prefix, q_len in specs:
-        n = -(-(prefix + q_len) // block_size)
-        tables.append(blocks[used:used + n])
-        used += n
-        pos = np.arange(prefix, prefix + q_len)
-        slots.append(tables[-1][pos // block_size] * block_size + pos % block_size)
-    bt = np.zeros((len(specs), max(len(t) for t in tables)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = t
-    q_lens = np.array([q for _, q in specs])
-    return BatchLayout(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-                       np.array([p + q for p, q in specs], dtype=np.int32), bt,
-                       np.concatenate(slots).astype(np.int64))
+    return random_layout(specs, block_size, rng, num_blocks)
 
 
 def compare_with_torch(cls, specs, block_size, dtype=torch.float32, num_blocks=NUM_BLOCKS, **options):

@@ -7,21 +7,18 @@ re-runs this file in a fresh Python process with it set (the run_in_triton_inter
 TRITON_INTERPRET=1 python -m pytest tests/plugins/attention/test_triton_backend.py -k mixed
 """
 import importlib.util
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from kvforge.attention import BatchLayout
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.attention.triton_backend import TritonAttentionBackend
+from testing_support import IN_INTERPRETER, interpreted, random_layout
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in test_kernels_in_interpreter's subprocess")
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the interpreter")
@@ -59,35 +56,13 @@ def _backends(block_size, num_heads=4, num_kv_heads=2, head_size=64, **options):
     return TorchAttentionBackend(**kw), TritonAttentionBackend(**kw, **options)
 
 
-def _layout(specs, block_size, rng):
-    """A BatchLayout whose sequences own random, shuffled physical blocks."""
-    blocks = rng.permutation(NUM_BLOCKS)
-    tables, slots, used = [], [], 0
-    for prefix, q_len in specs:
-        n = -(-(prefix + q_len) // block_size)
-        table = blocks[used:used + n]
-        used += n
-        assert used <= NUM_BLOCKS
-        tables.append(table)
-        pos = np.arange(prefix, prefix + q_len)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-    width = max(len(t) for t in tables)
-    bt = np.zeros((len(specs), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = t
-    q_lens = np.array([q for _, q in specs])
-    return BatchLayout(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-                       seq_lens=np.array([p + q for p, q in specs], dtype=np.int32),
-                       block_tables=bt, slot_mapping=np.concatenate(slots).astype(np.int64))
-
-
 def _run_both(specs, block_size, seed=0, **kw):
     """Outputs and caches of both backends on the same batch. The triton cache starts with NaN in
     every slot outside the sequences' contexts, so any read past seq_len would show up."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     ref, tri = _backends(block_size, **kw)
-    layout = _layout(specs, block_size, rng)
+    layout = random_layout(specs, block_size, rng, NUM_BLOCKS)
     t, h, hkv, d = layout.num_tokens, ref.num_heads, ref.num_kv_heads, ref.head_size
     q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     cache_ref = torch.randn(ref.kv_cache_shape(NUM_BLOCKS))
@@ -143,7 +118,7 @@ def test_padded_tokens_and_strided_q():
     # the runner may pass more rows than meta.num_tokens, and q as a view of a fused qkv tensor
     rng = np.random.default_rng(3)
     ref, tri = _backends(16, head_size=32)
-    layout = _layout([(10, 6), (30, 1)], 16, rng)
+    layout = random_layout([(10, 6), (30, 1)], 16, rng, NUM_BLOCKS)
     t = layout.num_tokens
     qkv = torch.randn(t + 3, (4 + 2 + 2) * 32)
     q = qkv[:, :128].view(t + 3, 4, 32)

@@ -4,18 +4,16 @@ As in tests/plugins/attention/test_triton_backend.py, the interpreter must be on
 imported, so the kernel tests run in a subprocess with TRITON_INTERPRET=1 (test_kernels_in_interpreter).
 """
 import importlib.util
-import os
 
 import pytest
 import torch
 
 from kvforge.plugins.models import fused_ops
+from testing_support import IN_INTERPRETER, interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in test_kernels_in_interpreter's subprocess")
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the interpreter")
