@@ -20,6 +20,7 @@ Figures of merit (s = bytes per element, H/Hkv = query/KV heads, D = head size):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -145,13 +146,14 @@ def run(args):
             try:
                 backend.build_metadata(layout)  # warm-up: JIT compiles, caches
                 # host time of planning (what a step pays before its first layer)
-                build_s = timeit(lambda: backend.build_metadata(layout), torch.device("cpu"), 1, args.repeats)
+                plan = functools.partial(backend.build_metadata, layout)
+                build_s = timeit(plan, torch.device("cpu"), 1, args.repeats)
                 meta = backend.build_metadata(layout)
                 for _ in range(args.warmup):
                     backend.forward(q, k, v, cache, meta)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                sec = timeit(lambda: backend.forward(q, k, v, cache, meta), device, args.iters, args.repeats)
+                sec = timeit(functools.partial(backend.forward, q, k, v, cache, meta), device, args.iters, args.repeats)
             except torch.OutOfMemoryError:
                 rows.append(dict(case=case, backend=name, error="out of memory"))
                 gc.collect()

@@ -4,6 +4,12 @@ The boundary is message-shaped: the front end sends ``("add", parent, children)`
 ``("abort", request_id)`` messages into an inbox; the engine thread drains it between steps and
 posts each ``RequestOutput`` delta to the request's queue. Nothing else crosses, so the engine
 core could move into its own process without touching either side.
+
+Failures (docs/reliability.md): a request that fails on its own ends with ``RequestOutput.error``
+and its stream raises :class:`~kvforge.errors.RequestFailedError`; every other stream carries on. An
+exception that escapes a step is device-wide: the engine is dead, every stream raises
+:class:`EngineDeadError` at once, and :attr:`AsyncLLMEngine.dead` is set for whoever must react
+(the server stops).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
 from kvforge.engine import LLMEngine
+from kvforge.errors import RequestFailedError, RequestFailure, is_device_error
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -35,6 +42,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
+        self.dead = threading.Event()  # set once the engine loop has failed
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
@@ -88,14 +96,17 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
 
     # -- requests ---------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Validate and queue a request now (``ValueError`` naming the field for bad input) and return
-        the async iterator of its output deltas. Closing the iterator early aborts the request."""
+    async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Validate and queue a request (``ValueError`` naming the field for bad input) and return the
+        async iterator of its output deltas. Closing the iterator early aborts the request.
+
+        Tokenization and validation run in a worker thread, never on the event loop.
+        """
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        parent, children = self.engine.process_inputs(request_id, prompt, params, priority=priority,
-                                                      stream_deltas=True)
+        parent, children = await asyncio.to_thread(self.engine.process_inputs, request_id, prompt, params,
+                                                   priority=priority, stream_deltas=True)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -110,7 +121,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's output deltas (see :meth:`add_request`)."""
-        async for out in self.add_request(prompt, params, request_id, priority):
+        async for out in await self.add_request(prompt, params, request_id, priority):
             yield out
 
     async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -123,6 +134,8 @@ class AsyncLLMEngine:
                     raise item
                 if item.finished:
                     finished = True
+                    if item.error is not None:
+                        raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -162,11 +175,17 @@ class AsyncLLMEngine:
                     self.engine.add_processed(parent, children)
                 except ValueError as exc:
                     self._post(parent.request_id, exc)
+                except Exception as exc:  # a bug in one request's admission is not the engine's death
+                    if is_device_error(exc):
+                        raise
+                    logger.exception("adding request %s failed", parent.request_id)
+                    self._post(parent.request_id, RequestFailedError(RequestFailure.from_exception(exc, "add_request")))
             elif message[0] == "abort":
                 self.engine.abort_request(message[1])
 
     def _run(self) -> None:
         try:
+            self.engine.bind_thread()
             while not self._stop:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
@@ -182,3 +201,4 @@ class AsyncLLMEngine:
                 ids = list(self._queues)
             for rid in ids:
                 self._post(rid, EngineDeadError(f"the engine has stopped: {exc!r}"))
+            self.dead.set()

@@ -4,13 +4,15 @@ Precedence: dataclass defaults < config file (TOML or YAML) < keyword arguments 
 A config file holds engine options at its top level and one ``[plugins.<name>]`` table per plugin
 component whose options it sets::
 
-    model = "/models/SmolLM2-135M-Instruct"
+    model = "dummy:tiny"   # or an HF directory, a .gguf file, a hub id; leave it out for the default model
     attention_backend = "torch"
     scheduler = "fcfs"
     max_num_batched_tokens = 4096
 
     [plugins.fcfs]
     long_prefill_token_threshold = 512
+
+``examples/kvforge.toml`` is a complete file that runs as is.
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
     max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for.
+    max_n: the most samples (``n``) one request may ask for (also capped by ``max_num_seqs``).
+    grammar_compile_timeout: seconds a structured-output constraint may take to compile; a request
+        whose constraint takes longer fails alone (HTTP 400), and the same constraint fails at once later.
+    grammar_cache_size: compiled structured-output constraints kept for reuse (least recently used go).
     enforce_eager: never use CUDA graphs (by default decode-only steps replay graphs captured at
         batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, when the attention backend allows).
     async_scheduling: schedule and lay out the next step while the GPU runs the current one (the
@@ -76,6 +82,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    max_n: int = 128
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_size: int = 256
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     attention_backend: str = "auto"
@@ -93,7 +102,8 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "max_n",
+                     "grammar_cache_size"):
             positive_int(name)
         positive_int("max_model_len", allow_none=True)
         positive_int("num_gpu_blocks_override", allow_none=True)
@@ -109,6 +119,8 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None and (not number(self.kv_cache_memory_gib)
                                                      or not self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if not number(self.grammar_compile_timeout) or not 0 < self.grammar_compile_timeout < float("inf"):
+            raise ValueError(f"grammar_compile_timeout must be a number of seconds > 0, got {self.grammar_compile_timeout!r}")
         if not number(self.swap_space) or not 0 <= self.swap_space < float("inf"):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

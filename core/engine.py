@@ -10,6 +10,7 @@ import torch
 
 from kvforge.builder import component, select_attention_backend, validate_plugin_tables
 from kvforge.config import EngineConfig
+from kvforge.errors import RequestFailure, is_device_error
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
 from kvforge.output_processor import OutputProcessor, ParentState
@@ -32,6 +33,7 @@ class LLMEngine:
         pm = self.plugin_manager = get_plugin_manager()
         validate_plugin_tables(pm, config)
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.bind_thread()
         torch.manual_seed(config.seed)
 
         self.source = resolve_model_source(config.model, config.load_format)
@@ -55,6 +57,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings})")
         max_len = config.max_model_len or mc.max_position_embeddings
+        max_len = _check_sliding_window(mc.sliding_window, max_len, config.max_model_len is not None)
         num_blocks = self.runner.determine_num_blocks(
             num_blocks_override=config.num_gpu_blocks_override, kv_cache_memory_gib=config.kv_cache_memory_gib,
             gpu_memory_utilization=config.gpu_memory_utilization,
@@ -98,6 +101,13 @@ class LLMEngine:
                     self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
         pm.hook.engine_created(engine=self)
 
+    def bind_thread(self) -> None:
+        """Make the engine's device the current CUDA device of the calling thread (the current device is
+        per thread: streams, events, Triton launches and graphs all use it). Call it in every thread that
+        runs :meth:`step`."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def _logits_processor(self, name: str) -> Any:
         """The engine's instance of a registered logits processor (built on first use)."""
         proc = self._logits_processors.get(name)
@@ -127,6 +137,8 @@ class LLMEngine:
         out: list[list[int]] = []
         for word in words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words: {word!r} tokenizes to no tokens, so it cannot be blocked")
             out.append(plain)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
@@ -182,8 +194,9 @@ class LLMEngine:
             if v is not None and v > self.config.max_logprobs:
                 raise ValueError(f"{name}: {v} is more than max_logprobs={self.config.max_logprobs}")
         self._check_sampling(params)
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n: {params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        if params.n > min(self.config.max_n, self.config.max_num_seqs):
+            raise ValueError(f"n: {params.n} is more than the limit of {min(self.config.max_n, self.config.max_num_seqs)} "
+                             f"(max_n={self.config.max_n}, max_num_seqs={self.config.max_num_seqs})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         room = self.max_model_len - len(ids)
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
@@ -215,14 +228,17 @@ class LLMEngine:
     @property
     def structured_outputs(self) -> StructuredOutputManager:
         if self._structured is None:
-            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                       self.eos_token_ids)
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                timeout=self.config.grammar_compile_timeout, cache_size=self.config.grammar_cache_size)
         return self._structured
 
     def add_processed(self, parent: ParentState, children: list[Request]) -> None:
-        """Queue a request made by :meth:`process_inputs` (engine thread only)."""
-        if parent.request_id in self.outputs.parents:
-            raise ValueError(f"request_id: {parent.request_id!r} is already in use")
+        """Queue a request made by :meth:`process_inputs` (engine thread only). All or nothing: an id
+        in use (the request's or one of its ``n`` samples') is a ``ValueError`` and adds nothing."""
+        for rid in (parent.request_id, *(r.request_id for r in children)):
+            if rid in self.outputs.parents or rid in self.outputs.seqs or rid in self.scheduler.requests:
+                raise ValueError(f"request_id: {rid!r} is already in use")
         for req in children:
             self.scheduler.add(req)
             if req.grammar is not None and not req.grammar.usable:
@@ -263,6 +279,8 @@ class LLMEngine:
         self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
         handle = self.runner.launch(sched_out, self.kv_cache, prev=prev[1] if prev is not None else None)
+        for rid, failure in handle.errors.items():  # before advance(): no placeholder for a failed request
+            self.fail_request(rid, failure)
         if prev is not None:
             outputs += self._complete(prev)
         self.scheduler.advance(sched_out)
@@ -293,23 +311,42 @@ class LLMEngine:
         updated = self.scheduler.update(sched_out, runner_out)
         for req in updated:
             if req.grammar is not None and not req.finished:
-                if not req.grammar.accept(req.output_token_ids[-1]):
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED,
-                                                   "structured_outputs: the grammar rejected a token")
-                elif req.grammar.terminated:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                self._advance_grammar(req)
         self.num_generation_tokens += len(updated)
         self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if len(r.output_token_ids) == 1)
-        return self.outputs.process(updated, runner_out, self._stop_by_string)
+        return self.outputs.process(updated, runner_out, self._stop_by_string, self.fail_request)
+
+    def _advance_grammar(self, req: Request) -> None:
+        try:
+            if not req.grammar.accept(req.output_token_ids[-1]):
+                self.fail_request(req.request_id, RequestFailure(
+                    "structured_outputs: the grammar rejected a sampled token", 500))
+            elif req.grammar.terminated:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            self.fail_request(req.request_id, RequestFailure.from_exception(exc, "structured_outputs"))
+
+    def fail_request(self, seq_id: str, failure: RequestFailure) -> None:
+        """End a request that failed on its own, with all its ``n`` samples: their blocks are freed now
+        and the failure is reported in the request's next output. Every other request carries on."""
+        seq = self.outputs.seqs.get(seq_id)
+        ids = [s.request.request_id for s in seq.parent.seqs] if seq is not None else [seq_id]
+        failed = self.scheduler.fail_requests(ids, failure)
+        self.outputs.pending_finished.extend(failed)
+        for req in failed:
+            req.grammar = None  # nothing more to match
+        logger.warning("request %s failed: %s", seq.parent.request_id if seq is not None else seq_id,
+                       failure.message)
 
     def _fail_bad_grammars(self) -> None:
-        """End the sequences whose constraint failed to compile (``stop_reason`` holds the error)."""
+        """End the sequences whose constraint failed to compile or timed out (a 400: the request's fault)."""
         for rid, req in list(self._compiling.items()):
             if req.finished or req.grammar.ready:
                 del self._compiling[rid]
                 if not req.finished and req.grammar.error is not None:
-                    self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED, req.grammar.error)
-                    self.outputs.pending_finished.append(req)
+                    self.fail_request(rid, RequestFailure(req.grammar.error, 400))
 
     def _stop_by_string(self, seq_id: str, stop: str) -> None:
         self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop)
@@ -326,3 +363,16 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens}
+
+
+def _check_sliding_window(window: int | None, max_len: int, explicit: bool) -> int:
+    """kvforge's attention is global: a sliding-window model is right only while no sequence is longer
+    than its window. Cap ``max_model_len`` there (or refuse an explicit larger one): never wrong output."""
+    if window is None or max_len <= window:
+        return max_len
+    if explicit:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's sliding window ({window} tokens); "
+                         f"kvforge does not implement sliding-window attention yet, so set max_model_len <= {window}")
+    logger.warning("max_model_len capped at the model's sliding window: %d tokens (sliding-window attention "
+                   "is not implemented yet)", window)
+    return window

@@ -47,6 +47,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # checkpoint dtype, e.g. "bfloat16"; None if unknown or quantized
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; never Qwen2)
+    # tokens each position attends back to (Mistral; Qwen2 with use_sliding_window); None = global attention
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -107,6 +109,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            sliding_window=_sliding_window(d, model_type),
         )
 
     @classmethod
@@ -192,14 +195,25 @@ class ModelConfig:
         }
         if self.model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
-        if self.model_type == "mistral":
-            d["sliding_window"] = None
+        if self.model_type == "mistral" or self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
+            if self.model_type in ("qwen2", "qwen3"):
+                d["use_sliding_window"] = self.sliding_window is not None
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
         return d
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    """The window a checkpoint's attention really uses: Qwen configs carry one that is off unless
+    ``use_sliding_window`` is set."""
+    window = d.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        return None
+    return int(window) if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvforge.attention import AttentionBackend, BatchLayout
+from kvforge.errors import RequestFailure, is_device_error
 from kvforge.input_buffers import StagingBuffers, d2h, h2d
 from kvforge.kv_cache import KVCacheManager
 from kvforge.sampler import Sampler
@@ -19,6 +20,8 @@ from kvforge.swap import CPUSwapSpace
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+#: device memory for one slice of prompt log-probabilities (logits, log-softmax and rank mask)
+PROMPT_LOGPROBS_SLICE_BYTES = 256 << 20
 
 
 class ModelRunner:
@@ -88,9 +91,10 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(np.concatenate([np.arange(x) for x in lens])).to(self.device)
         hidden = self.model(ids, pos, caches, meta)
-        rows = min(max_num_seqs, n)
+        rows = min(max(max_num_seqs, self.prompt_logprobs_rows()), n)  # sampling, or a prompt-logprobs slice
         logits = self.model.compute_logits(hidden[:rows]).float()
         torch.softmax(logits, dim=-1).sort(dim=-1)
+        _logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
         del caches, hidden, logits, meta
@@ -171,7 +175,7 @@ class ModelRunner:
         if sample_reqs:
             rows = pinned["sample_rows"][:len(sample_reqs)].to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
-            tokens = self.sampler.sample(logits, self.sampler.prepare(sample_reqs))
+            tokens = self._sample(logits, sample_reqs, handle)
             handle.set_tokens(tokens, sample_reqs)
             want = [i for i, r in enumerate(sample_reqs) if r.sampling_params.logprobs is not None]
             if want:
@@ -180,6 +184,26 @@ class ModelRunner:
                 handle.logprobs = ([sample_reqs[i] for i in want], _logprob_tensors(logits[idx], tokens[idx], k))
         handle.finish()
         return handle
+
+    def _sample(self, logits: torch.Tensor, reqs: list, handle: "StepHandle") -> torch.Tensor:
+        """Sample every row. If the batch raises, each row is sampled alone: a request whose row still
+        raises fails on its own (``handle.errors``; its row gets token 0, never used) and the others
+        keep the tokens they would have had. Device errors propagate (see ``kvforge.errors``)."""
+        try:
+            return self.sampler.sample(logits, self.sampler.prepare(reqs))
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            logger.warning("sampling a batch of %d failed (%r); sampling its rows one by one", len(reqs), exc)
+        tokens = torch.zeros(len(reqs), dtype=torch.long, device=self.device)
+        for i, req in enumerate(reqs):
+            try:
+                tokens[i:i + 1] = self.sampler.sample(logits[i:i + 1], self.sampler.prepare([req]))
+            except Exception as exc:
+                if is_device_error(exc):
+                    raise
+                handle.errors[req.request_id] = RequestFailure.from_exception(exc, "sampling")
+        return tokens
 
     def input_ids_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if n > self.input_ids.shape[0]:
@@ -205,9 +229,19 @@ class ModelRunner:
         if not rows:
             return
         dev = self.device
-        logits = self.model.compute_logits(hidden[h2d(rows, torch.long, dev)]).float()
         k = max(r.sampling_params.prompt_logprobs for r, _, _ in spans)
-        handle.prompt_logprobs = (spans, _logprob_tensors(logits, h2d(targets, torch.long, dev), k))
+        rows_dev, targets_dev = h2d(rows, torch.long, dev), h2d(targets, torch.long, dev)
+        # NOTE: [rows, vocab] float32 logits for a whole prompt chunk could take gigabytes: compute
+        # them a bounded slice at a time (the memory profile runs one slice of this size)
+        step = self.prompt_logprobs_rows()
+        parts = [_logprob_tensors(self.model.compute_logits(hidden[rows_dev[i:i + step]]).float(),
+                                  targets_dev[i:i + step], k) for i in range(0, len(rows), step)]
+        handle.prompt_logprobs = (spans, {key: torch.cat([p[key] for p in parts]) for key in parts[0]})
+
+    def prompt_logprobs_rows(self) -> int:
+        """Prompt positions whose log-probabilities are computed at once: about
+        ``PROMPT_LOGPROBS_SLICE_BYTES`` of float32 logits and their temporaries."""
+        return max(1, PROMPT_LOGPROBS_SLICE_BYTES // (self.vocab_size * 12))
 
     def _layout(self, out: SchedulerOutput, kv: KVCacheManager, graph_size: int | None,
                 prev: "StepHandle | None"):
@@ -288,6 +322,7 @@ class StepHandle:
         self.sample_reqs: list = []
         self.logprobs: tuple | None = None  # (requests, tensors of _logprob_tensors)
         self.prompt_logprobs: tuple | None = None  # (spans, tensors)
+        self.errors: dict[str, RequestFailure] = {}  # requests whose sampling failed (known at launch)
         self.event: torch.cuda.Event | None = None
         self._host: dict[str, Any] = {}
         self._result: ModelRunnerOutput | None = None

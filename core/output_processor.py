@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.errors import RequestFailure, is_device_error
 from kvforge.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvforge.request import Request
 from kvforge.scheduler import ModelRunnerOutput, TokenLogprobs
@@ -75,9 +76,10 @@ class OutputProcessor:
             self.seqs.pop(s.request.request_id, None)
         return [s.request.request_id for s in parent.seqs]
 
-    def process(self, updated: list[Request], runner_out: ModelRunnerOutput,
-                finish: Any) -> list[RequestOutput]:
-        """``finish(seq_id, stop_string)`` ends a sequence whose text hit a stop string."""
+    def process(self, updated: list[Request], runner_out: ModelRunnerOutput, finish: Any,
+                fail: Any) -> list[RequestOutput]:
+        """``finish(seq_id, stop_string)`` ends a sequence whose text hit a stop string;
+        ``fail(seq_id, RequestFailure)`` ends a request whose detokenization or stop check raised."""
         now = time.time()
         touched: dict[str, ParentState] = {}
         for req in self.pending_finished:
@@ -103,7 +105,12 @@ class OutputProcessor:
             m.last_token_time = now
             if seq.logprobs is not None and req.request_id in runner_out.logprobs:
                 seq.logprobs.append(self._logprob_dict(runner_out.logprobs[req.request_id]))
-            self._update_text(seq, finish)
+            try:
+                self._update_text(seq, finish)
+            except Exception as exc:
+                if is_device_error(exc):
+                    raise
+                fail(req.request_id, RequestFailure.from_exception(exc, "detokenization"))
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
@@ -181,6 +188,7 @@ class OutputProcessor:
                 lps = list(lps) if lps is not None else None
             completions.append(CompletionOutput(seq.index, text, ids, finish, req.stop_reason, lps))
         first = parent.seqs[0].request
+        error = next((s.request.error for s in parent.seqs if s.request.error is not None), None)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, first.num_cached_tokens, parent.metrics,
-                             parent.prompt_logprobs)
+                             parent.prompt_logprobs, error)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvforge.errors import RequestFailure
+
 
 @dataclass
 class Logprob:
@@ -20,7 +22,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, "Logprob"]] | None = None  # per generated token, when asked for
 
@@ -47,3 +49,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None
+    # why the request failed (its outputs then finish with "error"); None for every other ending
+    error: RequestFailure | None = None

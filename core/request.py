@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.errors import RequestFailure
 from kvforge.sampling_params import SamplingParams
-
 
 #: stands in ``output_token_ids`` for a token an in-flight step is sampling (async scheduling)
 PLACEHOLDER = -1
@@ -21,11 +21,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed on its own (see kvforge.errors); ``Request.error`` says why
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(eq=False)
@@ -61,6 +62,7 @@ class Request:
     # async scheduling: 1 while a launched step samples this request's next token; that token is
     # then PLACEHOLDER at the end of output_token_ids (the runner reads it from the device)
     num_placeholders: int = 0
+    error: RequestFailure | None = None  # set with status FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -48,5 +48,5 @@ class Sampler(ABC):
     def sample(self, logits: torch.Tensor, state: Any) -> torch.Tensor:
         """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64 on the same device."""
 
-    def release(self, request_ids: Iterable[str]) -> None:
+    def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional: a no-op by default
         """Forget per-request state (random generators...) of requests that ended."""

@@ -1,11 +1,26 @@
 """``SamplingParams``: how one request is sampled and when it stops (vLLM's names and meanings)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+#: below this temperature sampling is greedy (dividing logits by it would overflow to inf / NaN)
+SAMPLING_EPS = 1e-5
+#: seeds torch's generators accept; ``seed + i`` of sample ``i`` (``n > 1``) must fit too
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+#: size limits of list fields (docs/reliability.md); each is far above real use
+MAX_STOP, MAX_STOP_CHARS = 64, 1024
+MAX_TOKEN_LIST = 8192  # stop_token_ids, allowed_token_ids, logit_bias entries
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 1024
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float (NaN and infinities are refused everywhere)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -38,11 +53,13 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Per-request sampling and stopping parameters.
 
-    temperature: 0 means greedy; otherwise logits are divided by it. Must be >= 0.
+    temperature: 0 means greedy; otherwise logits are divided by it. Must be >= 0; below
+        ``SAMPLING_EPS`` (1e-5) it is greedy (and set to 0).
     top_p: nucleus sampling mass in (0, 1]; 1 disables.
     top_k: keep the k most likely tokens; 0 (or -1) disables.
     min_p: drop tokens whose probability is below ``min_p`` times the top one; in [0, 1].
     seed: per-request random seed; the same seed gives the same sample whatever else is batched.
+        In [-2**63, 2**64 - 1]; with ``n > 1`` sample ``i`` uses ``seed + i``, which must fit too.
     max_tokens: the most tokens to generate (>= 1); ``None`` means up to the context length.
     stop_token_ids: token ids that end generation (the token is kept in the output ids).
     ignore_eos: keep generating past the model's end-of-sequence token.
@@ -96,32 +113,39 @@ class SamplingParams:
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (
                 not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-            self.stop_token_ids = list(self.stop_token_ids)
+            self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids, allow_empty=True)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None:
+            if not _int(self.seed):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            if not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+                raise ValueError(f"seed must be in [-2**63, 2**64 - 1] (with n={self.n}, seed + {self.n - 1} too), "
+                                 f"got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
-            if not all(isinstance(s, str) and s for s in self.stop):
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if len(self.stop) > MAX_STOP or max(map(len, self.stop), default=0) > MAX_STOP_CHARS:
+                raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
+                                 f"{len(self.stop)} of up to {max(map(len, self.stop))}")
             self.stop = list(self.stop)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -132,8 +156,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             try:
                 bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
-            except (TypeError, ValueError):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
+            if len(bias) > MAX_TOKEN_LIST:
+                raise ValueError(f"logit_bias: at most {MAX_TOKEN_LIST} entries, got {len(bias)}")
             if any(not -100.0 <= v <= 100.0 for v in bias.values()) or any(k < 0 for k in bias):
                 raise ValueError("logit_bias values must be in [-100, 100] and keys non-negative token ids")
             self.logit_bias = bias
@@ -142,13 +168,14 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.allowed_token_ids is not None:
-            ids = list(self.allowed_token_ids)
-            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
-            self.allowed_token_ids = ids
+            self.allowed_token_ids = _token_list("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
         if self.bad_words is not None:
-            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must be a list of non-empty strings")
+            if len(self.bad_words) > MAX_BAD_WORDS or max(map(len, self.bad_words), default=0) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} "
+                                 f"characters, got {len(self.bad_words)}")
             self.bad_words = list(self.bad_words)
         if self.structured_outputs is not None:
             if isinstance(self.structured_outputs, dict):
@@ -171,3 +198,13 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         import copy
         return copy.deepcopy(self)
+
+
+def _token_list(name: str, ids, *, allow_empty: bool) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must be a list of non-negative token ids")
+    if not ids and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    if len(ids) > MAX_TOKEN_LIST:
+        raise ValueError(f"{name}: at most {MAX_TOKEN_LIST} token ids, got {len(ids)}")
+    return list(ids)

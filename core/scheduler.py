@@ -12,6 +12,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from kvforge.errors import RequestFailure
 from kvforge.kv_cache import KVCacheManager
 from kvforge.request import Request, RequestStatus
 
@@ -114,6 +115,14 @@ class Scheduler(ABC):
             self._finish(req)
             aborted.append(req)
         return aborted
+
+    def fail_requests(self, request_ids: Iterable[str], failure: RequestFailure) -> list[Request]:
+        """End requests that failed on their own (see ``kvforge.errors``): status ``FINISHED_ERROR``,
+        ``Request.error`` set, blocks freed. Unknown or finished ids are ignored."""
+        failed = self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        for req in failed:
+            req.error = failure
+        return failed
 
     def _finish(self, req: Request) -> None:
         self.kv_cache.free(req.request_id)

@@ -6,16 +6,25 @@ JSON schemas and regexes in milliseconds, is actively maintained, ships CPU and 
 vLLM's default backend. llguidance is comparable in speed but adds a Rust toolchain story for its
 Lark-style grammars; outlines-core compiles regex-derived indexes that take seconds for large schemas.
 
-Grammars compile on a background thread (cached by constraint), so a request waits in the queue
-while its grammar compiles and other requests keep running. Each sequence has its own matcher: the
-sampler masks the logits with it, and the engine advances it with every accepted token.
+Grammars compile on a background thread (cached by constraint, least recently used evicted), so a
+request waits in the queue while its grammar compiles and other requests keep running. Each sequence
+has its own matcher: the sampler masks the logits with it, and the engine advances it with every
+accepted token.
+
+A compilation has a time limit. A thread cannot be stopped, so one that overruns is abandoned: the
+constraint is remembered as failed (its next request fails at once), and later constraints compile
+on a fresh thread. At most ``MAX_ABANDONED`` overrunning compilations may run at once; past that,
+new constraints are refused until one ends.
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Sequence
 
 import torch
@@ -25,15 +34,24 @@ from kvforge.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+#: overrunning compilations that may still run on abandoned threads before new constraints are refused
+MAX_ABANDONED = 4
+
+
 class GrammarState:
     """One sequence's constraint: the compiled grammar (maybe still compiling) and its matcher."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, expire: Any = None, deadline: float = float("inf")):
         self.future = future
+        self._expire = expire  # called once the deadline passed with the compilation still running
+        self.deadline = deadline  # time.monotonic() by which the compilation must be done
         self._matcher: Any = None
 
     @property
     def ready(self) -> bool:
+        """Compiled, failed, or past its deadline (then it has failed: see :attr:`error`)."""
+        if not self.future.done() and time.monotonic() > self.deadline and self._expire is not None:
+            self._expire()
         return self.future.done()
 
     @property
@@ -66,14 +84,22 @@ class GrammarState:
 class StructuredOutputManager:
     """Compiles constraints once (cached) on a background thread and hands out per-sequence states."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *,
+                 timeout: float = 10.0, cache_size: int = 256):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.timeout = timeout
+        self.cache_size = cache_size
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._cache: dict[tuple, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._abandoned: set[Future] = set()  # overrunning compilations still running
+        self._pool = self._new_pool()
+
+    @staticmethod
+    def _new_pool() -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-grammar")
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -104,22 +130,80 @@ class StructuredOutputManager:
         except Exception as exc:
             raise ValueError(f"structured_outputs: invalid constraint: {exc}") from exc
 
-    def submit(self, so: StructuredOutputsParams) -> Future:
-        """The (cached) compilation of a constraint; compiles in the background on first sight."""
+    def _compile_checked(self, so: StructuredOutputsParams) -> Any:
+        """Compile, then refuse a constraint that admits no output at all (e.g. ``{"$ref": "#"}``, a
+        schema that only refers to itself): every token would be masked and the request could not end."""
+        import xgrammar as xgr
+
+        grammar = self._compile(so)
+        matcher = xgr.GrammarMatcher(grammar)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()) and not matcher.is_terminated():
+            raise ValueError("structured_outputs: the constraint admits no output (a schema that only refers "
+                             "to itself, or an empty language)")
+        return grammar
+
+    def submit(self, so: StructuredOutputsParams) -> tuple[Future, float]:
+        """The (cached) compilation of a constraint and its deadline; compiles in the background on
+        first sight. ``ValueError`` when too many overrunning compilations are still running."""
         key = so.key()
         with self._lock:
             fut = self._cache.get(key)
-            if fut is None:
-                fut = self._pool.submit(self._compile, so)
-                self._cache[key] = fut
-        return fut
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut, getattr(fut, "deadline", float("inf"))
+            self._abandoned = {f for f in self._abandoned if not f.done()}
+            if len(self._abandoned) >= MAX_ABANDONED:
+                raise ValueError(f"structured_outputs: {len(self._abandoned)} constraints are still compiling past "
+                                 f"their {self.timeout} s limit; try again later")
+            fut = self._pool.submit(self._compile_checked, so)
+            fut.deadline = time.monotonic() + self.timeout  # type: ignore[attr-defined]
+            self._cache[key] = fut
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return fut, fut.deadline  # type: ignore[attr-defined]
+
+    def _expire(self, key: tuple, fut: Future) -> None:
+        """A compilation overran its deadline: abandon its thread, remember the constraint as failed."""
+        with self._lock:
+            if fut.done() or self._cache.get(key) is not fut:
+                return
+            failed: Future = Future()
+            failed.set_exception(ValueError(f"structured_outputs: compiling the constraint took longer than "
+                                            f"{self.timeout} s; simplify it"))
+            failed.deadline = float("inf")  # type: ignore[attr-defined]
+            self._cache[key] = failed
+            self._abandoned.add(fut)
+            old, self._pool = self._pool, self._new_pool()
+        old.shutdown(wait=False, cancel_futures=False)  # queued compilations still run there
+        logger.warning("structured outputs: a compilation overran %.1f s; its thread is abandoned", self.timeout)
+
+    def _current(self, key: tuple, fut: Future) -> Future:
+        with self._lock:
+            return self._cache.get(key, fut)
 
     def state(self, so: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(self.submit(so))
+        key = so.key()
+        fut, deadline = self.submit(so)
+
+        def expire() -> None:
+            self._expire(key, fut)
+            state.future = self._current(key, fut)
+
+        state = GrammarState(fut, expire, deadline)
+        return state
 
     def check(self, so: StructuredOutputsParams) -> None:
-        """Compile now (blocking the caller only) and raise ``ValueError`` if the constraint is invalid."""
-        self.submit(so).result()
+        """Compile now (blocking the caller only, at most the time limit) and raise ``ValueError`` if the
+        constraint is invalid or takes too long."""
+        key = so.key()
+        fut, deadline = self.submit(so)
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self._expire(key, fut)
+            self._current(key, fut).result()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -26,6 +26,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use in `model` (default: the model argument)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template itself)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template field in requests (refused by default: templates run code)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="largest request body accepted, in bytes (default 16 MiB); larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
@@ -44,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.cli import engine_kwargs
     from kvforge.config import EngineConfig
     from kvforge.plugin_manager import get_plugin_manager
-    from kvforge.server.app import create_app
+    from kvforge.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
     kwargs = engine_kwargs(args)
     model = args.model_tag or kwargs.pop("model", None)
@@ -58,9 +62,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = args.served_model_name or [default_served_name(config.model)]
     effective = {k: v for k, v in dataclasses.asdict(config).items()}
     logger.info("kvforge serve: effective configuration: %s", json.dumps(effective, default=str))
+    max_body = args.max_request_body_bytes if args.max_request_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
+    if max_body < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_body}")
     engine = AsyncLLMEngine.from_config(config)
+    server: uvicorn.Server | None = None
+
+    def stop_serving() -> None:  # the engine died: drain and exit non-zero
+        if server is not None:
+            server.should_exit = True
+
     app = create_app(engine, served, api_key=api_key, chat_template=chat_template,
-                     hook=get_plugin_manager().hook)
+                     hook=get_plugin_manager().hook, trust_request_chat_template=args.trust_request_chat_template,
+                     max_request_body_bytes=max_body, on_engine_dead=stop_serving)
     host, port = args.host, args.port
 
     class Server(uvicorn.Server):

@@ -6,6 +6,9 @@ import re
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from kvforge.errors import RequestFailure
 
 
 class APIError(Exception):
@@ -15,10 +18,23 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
 
-def error_response(status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": type, "param": param, "code": code}})
+def error_body(status: int, message: str, param: str | None = None, type: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object; ``type`` follows the status when not given."""
+    if type is None:
+        type = "invalid_request_error" if status < 500 else (
+            "service_unavailable" if status == 503 else "internal_server_error")
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, type: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param, type, code), headers=headers)
+
+
+def failure_response(failure: RequestFailure) -> JSONResponse:
+    """A request that failed in the engine (see ``kvforge.errors``): 400 if it was its fault, else 500."""
+    return error_response(failure.status, failure.message, failure.param)
 
 
 def bad_request_from_value_error(exc: ValueError) -> APIError:
@@ -41,8 +57,19 @@ async def handle_validation_error(request: Request, exc: RequestValidationError)
     # drop pydantic's union-branch labels (e.g. "str", "list[int]") from the location
     param = ".".join(p for p in loc if not re.fullmatch(r"(str|int|float|bool|list\[.*\]|function-.*)", p)) or None
     msg = first.get("msg", "invalid request")
+    kind = first.get("type")
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    elif kind == "extra_forbidden":
+        msg = "unknown field (docs/server.md lists the fields kvforge accepts)"
     if param:
         msg = f"{param}: {msg}"
-    if first.get("type") == "missing":
+    if kind == "missing":
         msg = f"{param}: field required" if param else "the request body is missing"
     return error_response(400, msg, param)
+
+
+async def handle_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method...) in OpenAI's shape, not ``{"detail": ...}``."""
+    return error_response(exc.status_code, str(exc.detail), None,
+                          code="not_found" if exc.status_code == 404 else None, headers=exc.headers)

@@ -1,18 +1,34 @@
-"""``/v1/chat/completions`` and ``/v1/completions``: requests in, engine streams merged, OpenAI JSON out."""
+"""``/v1/chat/completions`` and ``/v1/completions``: requests in, engine streams merged, OpenAI JSON out.
+
+Nothing slow runs on the event loop: chat templates render in their own small thread pool with a time
+limit, and tokenization runs in worker threads after a cheap length check (a text far too long for
+``max_model_len`` is refused before it is tokenized).
+"""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from kvforge.async_engine import AsyncLLMEngine
-from kvforge.server.errors import APIError, bad_request_from_value_error
+from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
+from kvforge.errors import RequestFailedError
+from kvforge.server.disconnect import AbortingStreamingResponse
+from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("kvforge.server")
+
+#: seconds a chat template may take to render before the request is refused
+RENDER_TIMEOUT_S = 10.0
+#: a text longer than this many times (longest token in characters x max_model_len) is refused untokenized
+_CHARS_SLACK = 4
 
 
 def sse(obj: Any) -> str:
@@ -21,11 +37,15 @@ def sse(obj: Any) -> str:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_names: list[str], metrics: ServerMetrics,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_names = served_names
         self.metrics = metrics
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+        # its own pool: templates that overrun their time limit cannot starve tokenization
+        self._render_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvforge-render")
+        self._max_chars: int | None = None
 
     # -- checks shared by both endpoints ------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
@@ -55,28 +75,76 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", "model")
         return tok
 
-    def render_chat(self, messages: list, add_generation_prompt: bool, chat_template: str | None) -> str:
+    async def render_chat(self, messages: list, add_generation_prompt: bool, chat_template: str | None) -> str:
+        """The conversation as text, rendered off the event loop within ``RENDER_TIMEOUT_S``."""
         tok = self.tokenizer()
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template: request-supplied chat templates are refused; the server must run "
+                                "with --trust-request-chat-template to accept them", "chat_template")
+        conv = []
+        for m in messages:
+            conv.append({"role": m.role, "content": m.text()} | ({"name": m.name} if m.name is not None else {}))
+
+        def render() -> str:
             return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template or self.chat_template)
+
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._render_pool, render), RENDER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"messages: rendering the chat template took longer than {RENDER_TIMEOUT_S} s",
+                           "messages") from None
         except Exception as exc:  # a template error is the request's fault (or the template's)
-            raise APIError(400, f"messages: the chat template could not render them: {exc}", "messages")
+            raise APIError(400, f"messages: the chat template could not render them: {exc}", "messages") from None
+
+    def max_chars(self) -> int:
+        """The longest text worth tokenizing: every token covers at most the longest token's characters,
+        so a longer text cannot fit in ``max_model_len`` tokens (with slack for normalisers)."""
+        if self._max_chars is None:
+            tok = self.tokenizer()
+            longest = max((len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t), default=1)
+            self._max_chars = longest * self.engine.max_model_len * _CHARS_SLACK
+        return self._max_chars
+
+    async def encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        """Token ids of ``text``, tokenized in a worker thread; a text that cannot fit is refused first."""
+        tok = self.tokenizer()
+        if len(text) > self.max_chars():
+            raise APIError(400, f"{field}: {len(text)} characters cannot fit in max_model_len="
+                                f"{self.engine.max_model_len} tokens (the limit is {self.max_chars()} characters)",
+                           field)
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+
+    def check_logprobs(self, name: str, value: int | None) -> None:
+        limit = self.engine.config.max_logprobs
+        if value is not None and value > limit:
+            raise APIError(400, f"{name}: {value} is more than max_logprobs={limit} (--max-logprobs)", name)
 
     # -- streams ----------------------------------------------------------------------------------
-    def start(self, prompts: list[dict], params: list, request_id: str, priority: int) -> list[tuple[str, Any]]:
-        """Queue one engine request per prompt; on a bad one, abort those already queued."""
+    async def start(self, prompts: list[dict], params: list, request_id: str,
+                    priority: int) -> list[tuple[str, Any]]:
+        """Queue one engine request per prompt; on a bad one (or a disconnect), abort those already queued."""
         started = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                started.append((rid, self.engine.add_request(prompt, p, rid, priority)))
-        except ValueError as exc:
+                started.append((rid, await self.engine.add_request(prompt, p, rid, priority)))
+        except BaseException as exc:
             for rid, _ in started:
                 self.engine.abort(rid)
-            raise bad_request_from_value_error(exc)
+            if isinstance(exc, ValueError):
+                raise bad_request_from_value_error(exc) from None
+            raise
         return started
+
+    def stream(self, gen: AsyncIterator[str], started: list) -> AbortingStreamingResponse:
+        """A server-sent-event response whose requests are aborted however it ends."""
+        def abort_all() -> None:
+            for rid, _ in started:
+                self.engine.abort(rid)  # a no-op for finished requests
+
+        return AbortingStreamingResponse(self._guarded(gen), abort_all, media_type="text/event-stream")
 
     async def merged(self, started: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, Any]]:
         """(prompt index, output delta) from every stream as they come; aborts all if left early."""
@@ -114,28 +182,39 @@ class OpenAIServing:
                 await stream.aclose()
 
     # -- chat -------------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    def check_common(self, req: Any) -> None:
+        """Checks both endpoints share, before anything is rendered or tokenized."""
+        self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs: not available with stream=true", "prompt_logprobs")
+        if req.user is not None:
+            logger.info("request from user %r", req.user)
+
+    async def chat(self, req: ChatCompletionRequest) -> JSONResponse | AbortingStreamingResponse:
         model = self.model_name(req.model)
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template)
-        ids = self.tokenizer().encode(text, add_special_tokens=False)
-        requested = req.max_completion_tokens or req.max_tokens
-        max_tokens = self.max_tokens(len(ids), requested, "messages")
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        self.check_logprobs("top_logprobs", req.top_logprobs)
+        self.check_common(req)
+        text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template)
+        ids = await self.encode(text, False, "messages")
+        requested = req.max_completion_tokens or req.max_tokens
+        max_tokens = self.max_tokens(len(ids), requested, "messages")
         params = self._params(req, max_tokens, top if req.logprobs else None)
         await self.check_constraint(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        started = self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority)
+        started = await self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._guarded(self._chat_stream(started, rid, created, model, req.n, top,
-                                                                     len(ids), include_usage, req.logprobs),
-                                                   started), media_type="text/event-stream")
+            return self.stream(self._chat_stream(started, rid, created, model, req.n, top, len(ids),
+                                                 include_usage, req.logprobs), started)
         finals: dict[int, dict] = {}
         n_gen = 0
+        prompt_lps = None
         async for _, out in self.merged(started):
+            prompt_lps = out.prompt_logprobs if out.finished else prompt_lps
             for c in out.outputs:
                 f = finals.setdefault(c.index, {"text": "", "finish": None, "logprobs": []})
                 f["text"] += c.text
@@ -146,8 +225,11 @@ class OpenAIServing:
         choices = [{"index": i, "message": {"role": "assistant", "content": f["text"]},
                     "logprobs": {"content": f["logprobs"]} if req.logprobs else None,
                     "finish_reason": f["finish"]} for i, f in sorted(finals.items())]
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(len(ids), n_gen)})
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(len(ids), n_gen)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps)
+        return JSONResponse(body)
 
     async def _chat_stream(self, started, rid, created, model, n, top, prompt_len, include_usage,
                            want_logprobs) -> AsyncIterator[str]:
@@ -183,35 +265,38 @@ class OpenAIServing:
         try:
             return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as exc:
-            raise bad_request_from_value_error(exc)
+            raise bad_request_from_value_error(exc) from None
 
     async def check_constraint(self, req: Any) -> None:
         """Compile a structured-output constraint off the event loop (cached for the engine): 400 if invalid."""
         try:
             so, field = req.structured()
         except ValueError as exc:
-            raise bad_request_from_value_error(exc)
+            raise bad_request_from_value_error(exc) from None
         if so is None:
             return
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.check_structured_outputs, so)
         except ValueError as exc:
-            raise APIError(400, f"{field}: {exc}", field)
+            raise APIError(400, f"{field}: {exc}", field) from None
 
     # -- completions ------------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(self, req: CompletionRequest) -> JSONResponse | AbortingStreamingResponse:
         model = self.model_name(req.model)
+        self.check_logprobs("logprobs", req.logprobs)
+        self.check_common(req)
         prompts, params, texts = [], [], []
         for p in req.prompts():
             if isinstance(p, str):
-                ids = self.tokenizer().encode(p, add_special_tokens=True)
+                ids = await self.encode(p, True, "prompt")
                 text = p
             else:
                 ids = p
                 vocab = self.engine.vocab_size
                 if min(ids) < 0 or max(ids) >= vocab:
                     raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
-                text = self.engine.tokenizer.decode(p) if self.engine.tokenizer is not None else ""
+                text = (await asyncio.to_thread(self.engine.tokenizer.decode, p)
+                        if self.engine.tokenizer is not None else "")
             max_tokens = self.max_tokens(len(ids), req.max_tokens, "prompt")
             lp = req.logprobs
             prompts.append({"prompt": text, "prompt_token_ids": ids})
@@ -219,15 +304,14 @@ class OpenAIServing:
             texts.append(text)
         await self.check_constraint(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        started = self.start(prompts, params, rid, req.priority)
+        started = await self.start(prompts, params, rid, req.priority)
         created = int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._guarded(self._completion_stream(started, head, req, texts, prompts,
-                                                                           prompt_tokens, include_usage), started),
-                                     media_type="text/event-stream")
+            return self.stream(self._completion_stream(started, head, req, texts, prompts, prompt_tokens,
+                                                       include_usage), started)
         finals: dict[int, dict] = {}
         n_gen = 0
         async for i, out in self.merged(started):
@@ -247,18 +331,27 @@ class OpenAIServing:
             if req.logprobs is not None:
                 lp = self._completion_logprobs(f["ids"], f["lps"], req.logprobs,
                                                f["out"] if req.echo else None, prompts[idx // req.n])
-            choices.append({"index": idx, "text": f["text"], "logprobs": lp, "finish_reason": f["finish"]})
+            choice = {"index": idx, "text": f["text"], "logprobs": lp, "finish_reason": f["finish"]}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(f["out"].prompt_logprobs)
+            choices.append(choice)
         return JSONResponse(head | {"choices": choices, "usage": _usage(prompt_tokens, n_gen)})
 
-    async def _guarded(self, gen: AsyncIterator[str], started: list) -> AsyncIterator[str]:
-        """Abort every request of a stream that ends early, even before it reached the engine's output."""
+    @staticmethod
+    async def _guarded(gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream whose request fails (or whose engine dies) ends with an error event and ``[DONE]``."""
         try:
             async for chunk in gen:
                 yield chunk
+        except RequestFailedError as exc:
+            f = exc.failure
+            yield sse(error_body(f.status, f.message, f.param))
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as exc:
+            yield sse(error_body(503, str(exc)))
+            yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()
-            for rid, _ in started:
-                self.engine.abort(rid)
 
     async def _completion_stream(self, started, head, req, texts, prompts, prompt_tokens,
                                  include_usage) -> AsyncIterator[str]:
@@ -311,6 +404,14 @@ class OpenAIServing:
 
 def _top_dict(entry: dict, top: int) -> dict:
     return {(v.decoded_token or ""): v.logprob for _, v in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:top]}
+
+
+def _prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's shape: one entry per prompt token (the first ``None``), token id -> logprob, rank, text."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                    for t, v in e.items()} for e in entries]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

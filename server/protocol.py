@@ -1,16 +1,47 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), with OpenAI's field names and ranges."""
+"""Request bodies of the OpenAI-compatible API (pydantic), with OpenAI's field names and ranges.
+
+Every field is honoured or refused: an unknown field is a 400 naming it, and the OpenAI fields kvforge
+does not implement (``REFUSED``) are a 400 saying so. docs/server.md lists both, and a test holds the
+lists to these models.
+"""
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
+from kvforge.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: prompts one /v1/completions request may carry (each becomes an engine request)
+MAX_PROMPTS = 256
+
+#: OpenAI request fields kvforge does not implement: a 400 whenever one is set to anything but
+#: its neutral value (``None`` always; the value given here too).
+REFUSED: dict[str, tuple[str, Any]] = {
+    "tools": ("tool calling is not supported yet", []),
+    "tool_choice": ("tool calling is not supported yet", "none"),
+    "functions": ("function calling is not supported yet", []),
+    "function_call": ("function calling is not supported yet", "none"),
+    "parallel_tool_calls": ("tool calling is not supported yet", None),
+    "extra_args": ("per-request plugin arguments are not accepted over HTTP yet", {}),
+    "vllm_xargs": ("per-request plugin arguments are not accepted over HTTP yet", {}),
+    "audio": ("audio output is not supported", None),
+    "modalities": ("only text output is supported", ["text"]),
+    "prediction": ("predicted outputs are not supported", None),
+    "web_search_options": ("web search is not supported", None),
+    "reasoning_effort": ("reasoning controls are not supported", None),
+    "store": ("kvforge stores no completions", False),
+    "metadata": ("kvforge stores no completions, so it keeps no metadata", None),
+    "service_tier": ("kvforge has one service tier", None),
+    "suffix": ("suffix (insertion) is not supported", None),
+}
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as vLLM does (clients send `user`, `metadata`, ...).
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: unknown fields are refused (a 400 naming them), never silently dropped; NaN and
+    # Infinity are refused wherever a number is expected.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -19,6 +50,7 @@ class StreamOptions(_Body):
 
 class JSONSchemaFormat(_Body):
     name: str | None = None
+    description: str | None = None
     schema_: dict = Field(alias="schema")
     strict: bool | None = None
 
@@ -41,13 +73,14 @@ class _Sampling(_Body):
     """Sampling fields shared by chat and completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    n: int = Field(default=1, ge=1, le=INT64_MAX)  # the engine's max_n bounds it (a 400 naming n)
+    best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
@@ -55,12 +88,14 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    user: str | None = None  # accepted for OpenAI compatibility: written in the server's log line
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     spaces_between_special_tokens: bool = True
@@ -69,7 +104,28 @@ class _Sampling(_Body):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    logits_processors: list[str] | None = None
+    logits_processors: list[StrictStr] | None = None
+    # the refused OpenAI fields (see REFUSED): declared so that each one's 400 names it
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    extra_args: Any = None
+    vllm_xargs: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+
+    @field_validator(*(name for name in REFUSED if name != "suffix"), mode="before")
+    @classmethod
+    def _refuse(cls, v, info):
+        return refuse(info.field_name, v)
 
     @field_validator("stop")
     @classmethod
@@ -77,6 +133,14 @@ class _Sampling(_Body):
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError(f"only best_of equal to n ({info.data.get('n', 1)}) is supported, got {v}: "
+                             "kvforge returns every sample it generates")
         return v
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -111,7 +175,16 @@ class _Sampling(_Body):
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
             n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else prompt_logprobs)
+
+
+def refuse(name: str, value: Any) -> Any:
+    """A refused field passes only when unset or at its neutral value (``REFUSED``)."""
+    reason, neutral = REFUSED[name]
+    if value is None or value == neutral:
+        return None
+    raise ValueError(f"{reason}; leave {name} out of the request")
 
 
 class TextPart(_Body):
@@ -122,7 +195,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = None  # passed to the chat template with the message
 
     def text(self) -> str:
         if self.content is None:
@@ -136,9 +209,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)  # the engine's max_logprobs bounds it
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
@@ -147,8 +220,14 @@ Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]
 class CompletionRequest(_Sampling):
     prompt: Prompt
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)  # the engine's max_logprobs bounds it
+    max_tokens: int | None = Field(default=16, ge=1, le=INT64_MAX)
+    suffix: Any = None
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _refuse_suffix(cls, v):
+        return refuse("suffix", v)
 
     @field_validator("prompt")
     @classmethod
@@ -156,6 +235,8 @@ class CompletionRequest(_Sampling):
         if (isinstance(v, (str, list)) and len(v) == 0) or (
                 isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v)):
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
         return v
 
     def prompts(self) -> list[str | list[int]]:

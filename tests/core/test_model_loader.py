@@ -11,8 +11,16 @@ import torch
 from kvforge import model_loader
 from kvforge.attention import BatchLayout
 from kvforge.model_config import PRESETS, ModelConfig
-from kvforge.model_loader import (ModelSource, default_model_path, gguf_to_hf_name, iter_weights, load_model,
-                                  load_model_config, resolve_model_source, unpermute_qk)
+from kvforge.model_loader import (
+    ModelSource,
+    default_model_path,
+    gguf_to_hf_name,
+    iter_weights,
+    load_model,
+    load_model_config,
+    resolve_model_source,
+    unpermute_qk,
+)
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 
 
@@ -144,6 +152,8 @@ def test_dummy_load_is_seeded_and_runs():
     m1 = load_model(src, config, attn, torch.float32, torch.device("cpu"), seed=3)
     m2 = load_model(src, config, attn, torch.float32, torch.device("cpu"), seed=3)
     assert torch.equal(m1.model.layers[1].mlp.down_proj.weight, m2.model.layers[1].mlp.down_proj.weight)
+    m3 = load_model(src, config, attn, torch.float32, torch.device("cpu"), seed=4)
+    assert not torch.equal(m1.model.layers[1].mlp.down_proj.weight, m3.model.layers[1].mlp.down_proj.weight)
     assert torch.all(m1.model.norm.weight == 1.0)
     assert abs(m1.model.embed_tokens.weight.std().item() - 0.02) < 1e-3
     assert torch.get_default_dtype() == torch.float32

@@ -10,7 +10,7 @@ import pytest
 
 import kvforge
 from kvforge import LLM, SamplingParams
-from kvforge.plugin_manager import PluginManager, get_plugin_manager, reset_plugin_manager
+from kvforge.plugin_manager import KINDS, PluginManager, get_plugin_manager, reset_plugin_manager
 
 
 @pytest.fixture
@@ -55,15 +55,18 @@ def test_every_registration_hook(pm):
         register_models=lambda register: register("FakeForCausalLM", "kvforge.plugins.models.llama:LlamaForCausalLM"),
         register_attention_backends=lambda register: register("fake_attn", "kvforge.plugins.attention.torch_backend:TorchAttentionBackend"),
         register_schedulers=lambda register: register("fake_sched", "kvforge.plugins.scheduling.fcfs:FCFSScheduler"),
+        register_logits_processors=lambda register: register("fake_lp", "kvforge.sampler:LogitsProcessor"),
     )
     pm.register(plugin, "fake")
     try:
+        assert set(pm.plugins["fake"].registers) == set(KINDS)  # every kind's hook, none left out
         assert pm.get("sampler", "fake_sampler") is FakeSampler
         assert pm.get("kv_cache_manager", "fake_kv").__name__ == "PagedKVCacheManager"
         assert pm.get("drafter", "fake_drafter").__name__ == "Drafter"
         assert pm.get("model", "FakeForCausalLM").__name__ == "LlamaForCausalLM"
         assert pm.get("attention_backend", "fake_attn").name == "torch"
         assert pm.get("scheduler", "fake_sched").name == "fcfs"
+        assert pm.get("logits_processor", "fake_lp").__name__ == "LogitsProcessor"
         assert pm.plugins["fake"].registers["sampler"] == ["fake_sampler"]
     finally:
         pm.unregister("fake")

@@ -2,12 +2,14 @@
 bad words, structured outputs (tiny random Llama; the real model for the JSON schema)."""
 import json
 import re
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import kvforge
 from kvforge import LLM, SamplingParams
+from kvforge.plugin_manager import get_plugin_manager
 from kvforge.sampler import LogitsProcessor
 
 
@@ -64,6 +66,59 @@ def test_logits_processor_plugin(tiny_llm):
         pm.unregister("force-plugin")
 
 
+@dataclass
+class ScaleOptions:
+    factor: float = 1.0
+
+
+class Scale(LogitsProcessor):
+    """Multiplies its rows by its ``[plugins.scale] factor``; records how it was built and called."""
+
+    Options = ScaleOptions
+    built: list[dict] = []
+    calls: list[tuple] = []
+
+    def __init__(self, *, factor: float, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+        type(self).built.append(dict(kwargs, factor=factor))
+
+    def apply(self, logits, requests):
+        type(self).calls.append((tuple(logits.shape), logits.dtype, logits.device, [r.request_id for r in requests]))
+        return logits * self.factor
+
+
+def test_logits_processor_is_built_once_with_vocab_size_device_and_its_plugin_options():
+    class Plugin:
+        @kvforge.hookimpl
+        def register_logits_processors(self, register):
+            register("scale", Scale)
+
+    pm = get_plugin_manager()  # the process-wide manager a new engine is built with
+    pm.register(Plugin(), "scale-plugin")
+    Scale.built.clear()
+    Scale.calls.clear()
+    try:
+        llm = LLM("dummy:tiny", max_model_len=128, num_gpu_blocks_override=64, device="cpu",
+                  plugins={"scale": {"factor": 0.5}})
+        assert Scale.built == []  # built on first use, not with the engine
+        p = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+        scaled = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0, logits_processors=["scale"])
+        engine = llm.llm_engine
+        for _ in range(2):
+            engine.add_request("plain", [1, 2, 3], p)
+            engine.add_request("scaled", [4, 5, 6], scaled)
+            while engine.has_unfinished_requests():
+                engine.step()
+        vocab = engine.model_config.vocab_size
+        assert Scale.built == [{"vocab_size": vocab, "device": torch.device("cpu"), "factor": 0.5}]
+        # one call per step that samples a request naming it; only that request's row, float32
+        assert len(Scale.calls) == 6
+        assert all(c == ((1, vocab), torch.float32, torch.device("cpu"), ["scaled"]) for c in Scale.calls)
+    finally:
+        pm.unregister("scale-plugin")
+
+
 def test_bad_words_and_allowed_tokens(tiny_llm):
     tok = tiny_llm.get_tokenizer()
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -100,9 +155,10 @@ def test_regex_and_choice_constraints(tiny_llm):
 def test_invalid_constraint_ends_the_request(tiny_llm, check_no_blocks):
     from kvforge.sampling_params import StructuredOutputsParams as SO
 
-    out = tiny_llm.generate("x", SamplingParams(max_tokens=5, structured_outputs=SO(json="{not json")),
-                            use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "abort" and "structured_outputs" in str(out.stop_reason)
+    res = tiny_llm.generate("x", SamplingParams(max_tokens=5, structured_outputs=SO(json="{not json")),
+                            use_tqdm=False)[0]
+    assert res.outputs[0].finish_reason == "error" and res.outputs[0].token_ids == []
+    assert res.error.status == 400 and res.error.message.startswith("structured_outputs: invalid constraint")
     check_no_blocks(tiny_llm.llm_engine)
 
 

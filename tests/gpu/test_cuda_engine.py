@@ -37,12 +37,14 @@ def test_default_model_bf16_runs(check_no_blocks):
     check_no_blocks(llm.llm_engine)
 
 
-def test_dummy_llama_1b_bf16_with_preemption(check_no_blocks):
+def test_dummy_llama_1b_bf16_preempts_and_still_finishes_every_request(check_no_blocks):
+    """bf16 on CUDA: batching changes rounding, so tokens are not compared here (the CPU float32
+    test_greedy_matches_transformers[tiny-pool-preempt] checks tokens under preemption)."""
     llm = LLM("dummy:llama-3.2-1b", device="cuda", attention_backend="torch", num_gpu_blocks_override=64,
               max_num_batched_tokens=512)
     prompts = torch.randint(100, 120000, (16, 100)).tolist()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert len(outs) == 16 and all(len(o.outputs[0].token_ids) == 40 for o in outs)
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
     check_no_blocks(llm.llm_engine)
 
@@ -81,3 +83,34 @@ def test_fused_ops_match_torch_path_fp32(monkeypatch):
             worst = max(worst, abs(lf[t].logprob - le[t].logprob))
     print(f"fused vs torch ops (fp32): largest log-probability difference {worst:.2e}")
     assert worst < 1e-3
+
+
+@pytest.mark.gpu
+def test_an_explicit_device_index_runs_there_from_the_engine_thread():
+    """device="cuda:N" (the last device): the engine thread binds it, so its streams, events, Triton
+    kernels and graphs live there, and the tokens equal a run on the same device from this thread."""
+    import asyncio
+
+    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.config import EngineConfig
+
+    dev = f"cuda:{torch.cuda.device_count() - 1}"
+    llm = LLM("dummy:tiny", device=dev, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    assert next(llm.llm_engine.runner.model.parameters()).device == torch.device(dev)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    direct = llm.generate([[5, 6, 7, 8]], p, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncLLMEngine.from_config(EngineConfig(model="dummy:tiny", device=dev, dtype="float32",
+                                                     max_model_len=256, num_gpu_blocks_override=64))
+    engine.start()
+
+    async def run():
+        toks = []
+        async for out in engine.generate([5, 6, 7, 8], p, "r0"):
+            toks += out.outputs[0].token_ids
+        return toks
+
+    try:
+        assert asyncio.run(run()) == direct
+        assert engine.error is None
+    finally:
+        engine.shutdown()

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs compute what eager steps compute (GPU machine)."""
+"""Decode steps replayed from CUDA graphs compute what eager steps compute, up to rounding (GPU machine)."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from kvforge import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def test_graphs_match_eager_exactly():
+def test_graphs_match_eager_up_to_near_ties():
     # The attention kernels are the same (fixed split count), but a replayed graph runs its matmuls at
     # the padded batch size, where cuBLAS may pick another kernel: the logits agree to rounding, and
     # where the random model's top tokens are nearly tied a token may flip. So: same log-probabilities
@@ -26,8 +26,10 @@ def test_graphs_match_eager_exactly():
     eager = LLM("dummy:llama-3.2-1b", enforce_eager=True, **kw)
     assert eager.llm_engine.runner.graphs is None
     out_e = [o.outputs[0] for o in eager.generate(prompts, p, use_tqdm=False)]
+    assert (len(out_g), len(odd), len(out_e)) == (32, 5, 32)
     identical = 0
     for g, e in list(zip(out_g, out_e)) + list(zip(odd, out_e[:5])):
+        assert len(g.token_ids) == len(e.token_ids) == 32  # EOS ignored: no sequence ends early
         n = next((i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b), len(e.token_ids))
         identical += n == len(e.token_ids)
         for i in range(n):
@@ -37,4 +39,4 @@ def test_graphs_match_eager_exactly():
             ref = e.logprobs[n]
             other = g.token_ids[n]
             assert other in ref and ref[e.token_ids[n]].logprob - ref[other].logprob < 0.1
-    print(f"graphs vs eager: {identical}/37 sequences identical for 32 tokens")
+    print(f"graphs vs eager: {identical}/37 sequences identical for 32 tokens")  # information, not tested

@@ -111,9 +111,9 @@ def test_sigterm_lets_running_requests_finish():
 
 
 def test_server_app_created_hook_adds_a_route(tiny_llm):
-    import kvforge
     from fastapi.testclient import TestClient
 
+    import kvforge
     from kvforge.async_engine import AsyncLLMEngine
     from kvforge.plugin_manager import get_plugin_manager
     from kvforge.server.app import create_app

@@ -3,7 +3,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MAX_MODEL_LEN, metric
+from conftest import API_KEY, MAX_MODEL_LEN, metric
 
 IGNORE_EOS = {"ignore_eos": True}
 
@@ -133,15 +133,23 @@ def test_wrong_key_is_401_and_health_metrics_stay_open(server):
 
 
 def test_tokenize_detokenize(server, tokenizer):
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello world"}).json()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello world"}, headers=auth).json()
     assert r["tokens"] == tokenizer.encode("hello world") and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == MAX_MODEL_LEN
-    d = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, headers=auth).json()
     assert d["prompt"] == "hello world"
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=auth).json()
     assert chat["count"] > 5
-    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10 ** 7]})
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [10 ** 7]}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_tokenize_and_detokenize_need_the_api_key(server):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(f"{server.url}{path}", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_metrics_count_tokens(server, client):

@@ -13,8 +13,12 @@ from kvforge.builder import select_attention_backend
 from kvforge.plugin_manager import get_plugin_manager, reset_plugin_manager
 from kvforge.plugins.attention import flash_attn_backend as fa_mod
 from kvforge.plugins.attention.flash_attn_backend import FlashAttnBackend
-from kvforge.plugins.attention.flashinfer_backend import (FlashInferAttentionBackend, as_slice, plan_paged_indices,
-                                                          token_indices)
+from kvforge.plugins.attention.flashinfer_backend import (
+    FlashInferAttentionBackend,
+    as_slice,
+    plan_paged_indices,
+    token_indices,
+)
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from testing_support import random_layout
 

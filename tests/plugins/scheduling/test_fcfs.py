@@ -104,9 +104,12 @@ def test_preemption_by_recompute_frees_newest_and_finishes_all():
     for _ in range(200):
         if not s.has_unfinished():
             break
+        running = list(s.running)  # in admission order: the newest last
         out = fake_step(s)
         check_invariants(s, out)
         preempted += len(out.preempted)
+        # the victims are the newest running requests, newest first
+        assert out.preempted == running[::-1][:len(out.preempted)]
         assert all(p.num_computed_tokens == 0 for p in out.preempted)
     assert not s.has_unfinished()
     assert preempted > 0 and s.num_preemptions == preempted
@@ -129,7 +132,7 @@ def test_random_workload_invariants():
     rng = random.Random(0)
     s = make(num_blocks=20, block_size=4, budget=16, max_num_seqs=4)
     n = 0
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3 and n < 30:
             s.add(req(f"r{n}", rng.randint(1, 30), max_tokens=rng.randint(1, 8)))
             n += 1

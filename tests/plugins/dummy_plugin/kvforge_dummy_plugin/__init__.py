@@ -10,3 +10,8 @@ def register_attention_backends(register):
 @kvforge.hookimpl
 def register_schedulers(register):
     register("dummy_sched", "kvforge_dummy_plugin.components:CountingScheduler")
+
+
+@kvforge.hookimpl
+def register_logits_processors(register):
+    register("fault", "kvforge_dummy_plugin.components:FaultInjector")

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
+from kvforge.sampler import LogitsProcessor
 
 
 class CountingAttention(TorchAttentionBackend):
@@ -32,3 +33,21 @@ class CountingScheduler(FCFSScheduler):
     def schedule(self):
         type(self).schedule_calls += 1
         return super().schedule()
+
+
+class FaultInjector(LogitsProcessor):
+    """Fault injection for the reliability tests, chosen by the request's prompt text: ``FAULT:request``
+    refuses that request (``ValueError``: it must fail alone, with a 400); ``FAULT:device`` raises what a
+    broken GPU raises (the engine must stop, failing every request at once). Otherwise the identity."""
+
+    name = "fault"
+
+    def apply(self, logits, requests):
+        for r in requests:
+            text = r.prompt or ""
+            if "FAULT:device" in text:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by "
+                                   "kvforge_dummy_plugin)")
+            if "FAULT:request" in text:
+                raise ValueError("injected by kvforge_dummy_plugin: this request is refused")
+        return logits

@@ -1,0 +1,119 @@
+"""``BodyLimits``: ASGI middleware that bounds and vets request bodies before any route sees them.
+
+A body is refused (OpenAI-shaped error, nothing else spent on it) when it is larger than
+``--max-request-body-bytes`` (413), not UTF-8, not JSON, nested deeper than ``MAX_JSON_DEPTH``, or
+holds ``NaN`` / ``Infinity`` or a lone UTF-16 surrogate (400). Those would otherwise surface as a
+``{"detail": ...}`` error, a 500 from the tokenizer, or a recursion error deep in validation.
+A large body is parsed in a worker thread, so it never stalls the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from kvforge.server.errors import error_body
+
+#: deepest JSON nesting accepted (a chat request is ~5 deep; a JSON schema rarely 20)
+MAX_JSON_DEPTH = 64
+#: bodies larger than this are parsed off the event loop
+_THREAD_PARSE_BYTES = 256 << 10
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class BodyError(ValueError):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _reject_constant(name: str) -> Any:
+    raise BodyError(400, f"the body holds {name}, which is not valid JSON (numbers must be finite)")
+
+
+def vet_json(body: bytes) -> None:
+    """Raise :class:`BodyError` unless ``body`` is UTF-8 JSON within the depth limit, with no NaN or
+    Infinity and no lone surrogate in any string."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(400, f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise BodyError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        raise BodyError(400, f"malformed JSON body: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:  # iterative: no recursion on hostile input
+        node, depth, path = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise BodyError(400, f"{path or 'body'}: the string holds a lone UTF-16 surrogate, which is "
+                                     "not valid Unicode", path or None)
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise BodyError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise BodyError(400, f"{path or 'body'}: a key holds a lone UTF-16 surrogate")
+            stack.append((value, depth + 1, f"{path}.{key}" if path else str(key)))
+
+
+class BodyLimits:
+    def __init__(self, app: Any, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.max_body_bytes
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _reply(send, 413, f"the request body is {int(length)} bytes; the limit is {limit} "
+                                           "(--max-request-body-bytes)")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await _reply(send, 413, f"the request body is over {limit} bytes "
+                                               "(--max-request-body-bytes)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if body:
+            try:
+                if len(body) > _THREAD_PARSE_BYTES:
+                    await asyncio.to_thread(vet_json, body)
+                else:
+                    vet_json(body)
+            except BodyError as exc:
+                return await _reply(send, exc.status, str(exc), exc.param)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(send: Any, status: int, message: str, param: str | None = None) -> None:
+    payload = json.dumps(error_body(status, message, param,
+                                    code="request_too_large" if status == 413 else None)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

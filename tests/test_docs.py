@@ -1,0 +1,59 @@
+"""Lists in docs/ that must follow the code: a stale doc fails here, not in a user's hands."""
+import dataclasses
+import re
+from pathlib import Path
+
+from kvforge.request import Request
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def table_after(doc: str, marker: str) -> list[str]:
+    """The backticked names in the first column of the table that follows ``<!-- marker ... -->``."""
+    lines = (DOCS / doc).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- {marker}"))
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break  # the end of the table
+    names = []
+    for row in rows[2:]:  # past the header and the |---| line
+        names += re.findall(r"`([A-Za-z_]\w*)`", row.split("|")[1])
+    return names
+
+
+def test_plugins_md_says_what_a_scheduler_policy_may_do_with_every_request_field():
+    documented = table_after("plugins.md", "request-fields")
+    assert len(documented) == len(set(documented)), "a field is listed twice"
+    properties = {n for n, v in vars(Request).items() if isinstance(v, property) and not n.startswith("_")}
+    fields = {f.name for f in dataclasses.fields(Request)} | properties
+    assert set(documented) == fields, (f"docs/plugins.md's Request table is stale: missing "
+                                       f"{sorted(fields - set(documented))}, not in Request "
+                                       f"{sorted(set(documented) - fields)}")
+
+
+def test_configuration_md_lists_every_engine_option():
+    from kvforge.config import EngineConfig
+
+    documented = table_after("configuration.md", "engine-options")
+    fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert sorted(documented) == sorted(fields), (
+        f"docs/configuration.md is stale: missing {sorted(set(fields) - set(documented))}, "
+        f"not options {sorted(set(documented) - set(fields))}")
+
+
+def test_configuration_md_lists_every_engine_flag():
+    import argparse
+
+    from kvforge.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    text = (DOCS / "configuration.md").read_text()
+    start = text.index("<!-- engine-flags")
+    table = text[start:text.index("\n\n", start)]
+    documented = set(re.findall(r"`(--[a-z-]+)", table))
+    assert documented == flags, (f"missing {sorted(flags - documented)}, not flags {sorted(documented - flags)}")
