@@ -178,5 +178,6 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     out = subprocess.run([sys.executable, "-m", "kvforge.cli", "plugins"], capture_output=True, text=True, check=True)
     report = {p["name"]: p for p in json.loads(out.stdout)}
     assert report["dummy"]["version"] == "0.0.1"
-    assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"]}
+    assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
+                                            "logits_processor": ["fault"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
