@@ -335,8 +335,6 @@ class LLMEngine:
         ids = [s.request.request_id for s in seq.parent.seqs] if seq is not None else [seq_id]
         failed = self.scheduler.fail_requests(ids, failure)
         self.outputs.pending_finished.extend(failed)
-        for req in failed:
-            req.grammar = None  # nothing more to match
         logger.warning("request %s failed: %s", seq.parent.request_id if seq is not None else seq_id,
                        failure.message)
 
