@@ -17,12 +17,18 @@ from kvforge.output_processor import OutputProcessor, ParentState
 from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.request import Request, RequestStatus
+from kvforge.sampler import NO_TOKEN
 from kvforge.sampling_params import SamplingParams
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
 
 logger = logging.getLogger(__name__)
+
+#: the failure of a request whose sampler row had nothing to sample (``NO_TOKEN``)
+NOTHING_TO_SAMPLE = RequestFailure(
+    "no token can be sampled: the request's constraints (structured_outputs, allowed_token_ids, bad_words, "
+    "logit_bias, logits_processors) exclude every token at this step, or its logits are NaN", 400)
 
 
 class LLMEngine:
@@ -308,6 +314,10 @@ class LLMEngine:
         sched_out, handle = step
         runner_out = handle.result()
         self.last_runner_output = runner_out  # beam search reads the beams' logprobs here
+        sampled = runner_out.sampled_token_ids
+        for rid in [rid for rid, tok in sampled.items() if tok == NO_TOKEN]:
+            del sampled[rid]
+            self.fail_request(rid, NOTHING_TO_SAMPLE)
         updated = self.scheduler.update(sched_out, runner_out)
         for req in updated:
             if req.grammar is not None and not req.finished:

@@ -175,8 +175,9 @@ class ModelRunner:
         if sample_reqs:
             rows = pinned["sample_rows"][:len(sample_reqs)].to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
-            tokens = self._sample(logits, sample_reqs, handle)
-            handle.set_tokens(tokens, sample_reqs)
+            sampled = self._sample(logits, sample_reqs, handle)  # NO_TOKEN (-1) where nothing could be sampled
+            tokens = sampled.clamp_min(0)  # what the device reads (placeholders, logprobs); the host sees -1
+            handle.set_tokens(tokens, sample_reqs, sampled)
             want = [i for i, r in enumerate(sample_reqs) if r.sampling_params.logprobs is not None]
             if want:
                 k = max(sample_reqs[i].sampling_params.logprobs for i in want)
@@ -333,15 +334,18 @@ class StepHandle:
         h._result = result
         return h
 
-    def set_tokens(self, tokens: torch.Tensor, reqs: list) -> None:
+    def set_tokens(self, tokens: torch.Tensor, reqs: list, sampled: torch.Tensor | None = None) -> None:
+        """``tokens``: valid ids for the device to read; ``sampled`` (default ``tokens``): what the host
+        gets, with ``NO_TOKEN`` for rows where nothing could be sampled."""
         self.tokens, self.sample_reqs = tokens, reqs
+        self._sampled = tokens if sampled is None else sampled
 
     def finish(self) -> None:
         """Queue the copies of the results to the host (pinned memory on CUDA) and mark their end."""
         cuda = self.device.type == "cuda"
         if self.tokens is not None:
             dst = self.buf.tensors["sampled"][:len(self.sample_reqs)]
-            dst.copy_(self.tokens, non_blocking=cuda)
+            dst.copy_(self._sampled, non_blocking=cuda)
             self._host["tokens"] = dst
         for key in ("logprobs", "prompt_logprobs"):
             part = getattr(self, key)

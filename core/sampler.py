@@ -8,6 +8,10 @@ import torch
 
 from kvforge.request import Request
 
+#: the token a sampler returns for a row where no token can be sampled: every logit is -inf (the
+#: request's masks exclude the whole vocabulary) or one is NaN. The engine fails that request (a 400).
+NO_TOKEN = -1
+
 
 class LogitsProcessor(ABC):
     """A batch-level logits transform that requests enable by name (``SamplingParams.logits_processors``).
@@ -46,7 +50,8 @@ class Sampler(ABC):
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, state: Any) -> torch.Tensor:
-        """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64 on the same device."""
+        """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64 on the same device;
+        :data:`NO_TOKEN` for a row with nothing to sample (no finite logit, or a NaN)."""
 
     def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional: a no-op by default
         """Forget per-request state (random generators...) of requests that ended."""

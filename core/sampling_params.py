@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 #: below this temperature sampling is greedy (dividing logits by it would overflow to inf / NaN)
 SAMPLING_EPS = 1e-5
+#: above this every token is equally likely anyway; far above it float32 logits / temperature underflow
+MAX_TEMPERATURE = 1e4
+#: repetition_penalty divides or multiplies float32 logits: outside this range they over- or underflow
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 #: seeds torch's generators accept; ``seed + i`` of sample ``i`` (``n > 1``) must fit too
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 #: size limits of list fields (docs/reliability.md); each is far above real use
@@ -53,7 +57,7 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Per-request sampling and stopping parameters.
 
-    temperature: 0 means greedy; otherwise logits are divided by it. Must be >= 0; below
+    temperature: 0 means greedy; otherwise logits are divided by it. In [0, 1e4]; below
         ``SAMPLING_EPS`` (1e-5) it is greedy (and set to 0).
     top_p: nucleus sampling mass in (0, 1]; 1 disables.
     top_k: keep the k most likely tokens; 0 (or -1) disables.
@@ -74,7 +78,7 @@ class SamplingParams:
     presence_penalty: subtract this from the logit of every token already generated, in [-2, 2].
     frequency_penalty: subtract this times the token's count so far, in [-2, 2].
     repetition_penalty: divide positive (multiply negative) logits of tokens in the prompt or output
-        by this (> 0; 1 disables).
+        by this (in [1e-3, 1e3]; 1 disables).
     logit_bias: token id -> value added to its logit, values in [-100, 100].
     min_tokens: generate at least this many tokens before EOS or ``stop_token_ids`` may end it.
     allowed_token_ids: sample only among these tokens.
@@ -113,8 +117,8 @@ class SamplingParams:
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -151,8 +155,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not _number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _number(self.repetition_penalty) or not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
         if self.logit_bias is not None:
             try:
                 bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}

@@ -110,6 +110,9 @@ class Scheduler(ABC):
             if req is None or req.finished:
                 continue
             self._leave_queues(req)
+            if req.num_placeholders:  # the token of its step in flight will never be applied
+                req.output_token_ids.pop()
+                req.num_placeholders = 0
             req.status = status
             req.stop_reason = stop_reason
             self._finish(req)

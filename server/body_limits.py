@@ -19,6 +19,8 @@ from kvforge.server.errors import error_body
 MAX_JSON_DEPTH = 64
 #: bodies larger than this are parsed off the event loop
 _THREAD_PARSE_BYTES = 256 << 10
+#: integer literals longer than this are refused (no field takes more than an int64's 19 digits)
+MAX_INT_DIGITS = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -32,6 +34,14 @@ def _reject_constant(name: str) -> Any:
     raise BodyError(400, f"the body holds {name}, which is not valid JSON (numbers must be finite)")
 
 
+def _parse_int(digits: str) -> int:
+    # Python refuses int() of more than 4300 digits with a bare ValueError; refuse far earlier, by name.
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise BodyError(400, f"the body holds an integer of {len(digits.lstrip('-'))} digits; "
+                             f"at most {MAX_INT_DIGITS} are accepted")
+    return int(digits)
+
+
 def vet_json(body: bytes) -> None:
     """Raise :class:`BodyError` unless ``body`` is UTF-8 JSON within the depth limit, with no NaN or
     Infinity and no lone surrogate in any string."""
@@ -40,7 +50,7 @@ def vet_json(body: bytes) -> None:
     except UnicodeDecodeError as exc:
         raise BodyError(400, f"the body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise BodyError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except json.JSONDecodeError as exc:

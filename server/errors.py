@@ -40,7 +40,7 @@ def failure_response(failure: RequestFailure) -> JSONResponse:
 def bad_request_from_value_error(exc: ValueError) -> APIError:
     """Engine ``ValueError``s start with (or name) the field: use it as ``param``."""
     msg = str(exc)
-    m = re.match(r"^(\w+)[:\s]", msg)
+    m = re.match(r"^(\w+(?:\.\w+)*)[:\s]", msg)
     return APIError(400, msg, m.group(1) if m else None)
 
 

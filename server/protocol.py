@@ -158,7 +158,10 @@ class _Sampling(_Body):
                                            json_object=so.json_object), "structured_outputs"
         for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
             if getattr(self, name) is not None:
-                return StructuredOutputsParams(**{kw: getattr(self, name)}), name
+                try:
+                    return StructuredOutputsParams(**{kw: getattr(self, name)}), name
+                except ValueError as exc:  # name the field the client sent, not the engine's
+                    raise ValueError(str(exc).replace(f"structured_outputs.{kw}", name)) from None
         return None, None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,

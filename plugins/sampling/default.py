@@ -18,7 +18,7 @@ import torch
 
 from kvforge.input_buffers import h2d
 from kvforge.request import Request
-from kvforge.sampler import Sampler
+from kvforge.sampler import NO_TOKEN, Sampler
 
 
 @dataclass
@@ -167,9 +167,12 @@ class DefaultSampler(Sampler):
     def sample(self, logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
         # logits: [rows, vocab] float32
         logits = self.process(logits, st)
-        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
+        # one reduction gives both the greedy tokens and the rows with nothing to sample: a row whose
+        # every logit is -inf (its masks exclude the whole vocabulary) or holding a NaN (max propagates it)
+        top, greedy_tokens = logits.max(dim=-1)
+        sampleable = top > float("-inf")
         if st.all_greedy:
-            return greedy_tokens
+            return torch.where(sampleable, greedy_tokens, NO_TOKEN)
         logits = logits / st.temperature[:, None]
         logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
         probs = torch.softmax(logits, dim=-1)
@@ -180,9 +183,9 @@ class DefaultSampler(Sampler):
         for row, gen in st.seeded:
             noise[row].exponential_(generator=gen)
         tokens = (probs / noise).argmax(dim=-1)
-        if greedy_tokens is not None:
+        if st.any_greedy:
             tokens = torch.where(st.greedy, greedy_tokens, tokens)
-        return tokens
+        return torch.where(sampleable, tokens, NO_TOKEN)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -200,8 +203,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         remove |= torch.arange(vocab, device=logits.device)[None, :] >= top_k[:, None]
     if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        # mass strictly before each token; the top token is always kept
+        # mass strictly before each token; the top token is always kept (even where top_p rounds to 0)
         before = probs.cumsum(dim=-1) - probs
-        remove |= before >= top_p[:, None]
+        remove[:, 1:] |= before[:, 1:] >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

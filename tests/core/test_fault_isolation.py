@@ -8,8 +8,9 @@ import torch
 
 import kvforge
 from kvforge import LLM, SamplingParams
+from kvforge.engine import NOTHING_TO_SAMPLE
 from kvforge.errors import RequestFailure, is_device_error
-from kvforge.sampler import LogitsProcessor
+from kvforge.sampler import NO_TOKEN, LogitsProcessor
 
 PROMPTS = [[5 + i, 17, 300 + 7 * i, 42, 9] for i in range(8)]
 BAD = 3  # the request whose logits processor raises
@@ -25,6 +26,14 @@ class RaiseFor(LogitsProcessor):
                 raise ValueError("injected: this request's arguments are bad")
             if kind == "bug":
                 raise KeyError("injected bug")
+        rows = [i for i, r in enumerate(requests) if (r.sampling_params.extra_args or {}).get("raise") == "mask_all"]
+        if rows:  # the whole vocabulary masked, as constraints that exclude each other would
+            logits = logits.clone()
+            logits[rows] = float("-inf")
+        rows = [i for i, r in enumerate(requests) if (r.sampling_params.extra_args or {}).get("raise") == "nan"]
+        if rows:
+            logits = logits.clone()
+            logits[rows, 7] = float("nan")
         return logits
 
 
@@ -62,6 +71,50 @@ def test_a_raising_logits_processor_fails_only_its_request(tiny_llm, raise_plugi
     check_no_blocks(tiny_llm.llm_engine)
     again = tiny_llm.generate(PROMPTS[:2], _params(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == baseline[:2]
+
+
+@pytest.mark.parametrize("kind", ["mask_all", "nan"])
+def test_a_row_with_nothing_to_sample_fails_only_its_request(tiny_llm, raise_plugin, check_no_blocks, kind):
+    baseline = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, _params(), use_tqdm=False)]
+    params = [_params(kind) if i == BAD else _params() for i in range(len(PROMPTS))]
+    outs = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert outs[BAD].error == NOTHING_TO_SAMPLE and outs[BAD].outputs[0].finish_reason == "error"
+    assert outs[BAD].outputs[0].token_ids == []  # no made-up token 0
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != BAD] == baseline[:BAD] + baseline[BAD + 1:]
+    check_no_blocks(tiny_llm.llm_engine)
+
+
+def test_a_no_token_row_under_async_scheduling_fails_only_its_request(check_no_blocks):
+    """With async scheduling the next step is launched before the host sees NO_TOKEN: it must read a
+    valid token on the device, and the request still fails alone."""
+    llm = LLM("dummy:tiny", device="cpu", max_model_len=128, num_gpu_blocks_override=64, async_scheduling=True)
+    eng = llm.llm_engine
+    assert eng.async_scheduling
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    baseline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+    sampler, seen = eng.runner.sampler, {}
+    real_prepare, real_sample = sampler.prepare, sampler.sample
+
+    def prepare(reqs):
+        seen["reqs"] = list(reqs)
+        return real_prepare(reqs)
+
+    def sample(logits, state):
+        tokens = real_sample(logits, state)
+        for i, r in enumerate(seen["reqs"]):
+            if r.request_id.startswith("victim") and len(r.output_token_ids) == 2:
+                tokens[i] = NO_TOKEN
+        return tokens
+
+    sampler.prepare, sampler.sample = prepare, sample
+    for i, p in enumerate(PROMPTS[:4]):
+        eng.add_request("victim" if i == 1 else f"ok{i}", p, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert done["victim"].error == NOTHING_TO_SAMPLE and len(done["victim"].outputs[0].token_ids) == 2
+    assert [done[f"ok{i}"].outputs[0].token_ids for i in (0, 2, 3)] == [baseline[0], baseline[2], baseline[3]]
+    check_no_blocks(eng)
 
 
 def test_a_failing_request_with_n_samples_fails_whole_and_frees_its_blocks(tiny_llm, raise_plugin, check_no_blocks):
@@ -121,7 +174,10 @@ def test_n_samples_with_a_clashing_id_add_nothing(tiny_llm, check_no_blocks):
     (dict(seed=2 ** 64), "seed must be in"),
     (dict(seed=-(2 ** 63) - 1), "seed must be in"),
     (dict(seed=2 ** 64 - 1, n=2), r"seed \+ 1 too"),
-    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("nan")), "temperature must be in"),
+    (dict(temperature=1e300), r"temperature must be in \[0, 10000\]"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty must be in"),
+    (dict(repetition_penalty=1e300), "repetition_penalty must be in"),
     (dict(top_p=float("nan")), "top_p"),
     (dict(presence_penalty=float("inf")), "presence_penalty"),
     (dict(logit_bias={1: float("nan")}), "logit_bias"),
@@ -145,6 +201,13 @@ def test_the_largest_seed_runs(tiny_llm):
 def test_a_vanishing_temperature_is_greedy(tiny_llm):
     greedy = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     tiny = tiny_llm.generate(PROMPTS, SamplingParams(temperature=1e-300, max_tokens=6, ignore_eos=True),
+                             use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+
+
+def test_a_vanishing_top_p_keeps_the_top_token(tiny_llm):
+    greedy = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    tiny = tiny_llm.generate(PROMPTS, SamplingParams(top_p=1e-300, max_tokens=6, ignore_eos=True, seed=1),
                              use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
 

@@ -1,9 +1,12 @@
 """A real `kvforge serve` subprocess on a free loopback port, shared by the server tests."""
+import collections
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -12,6 +15,8 @@ from kvforge.bench.serve import wait_healthy
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
+#: lines of a server's output kept for failure reports
+LOG_LINES = 2000
 
 
 def free_port() -> int:
@@ -35,6 +40,9 @@ class ServerProcess:
                 raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}") from None
             self.stop()
             raise
+        # read the server's output in a thread, or a full pipe would block its logging; the tail is kept for reports
+        self.log: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+        threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True).start()
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -73,3 +81,17 @@ def metric(server, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+IDLE_METRICS = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until the engine holds nothing (no block, nothing running or waiting) or
+    ``timeout`` passes; returns the last readings (all zero when idle)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = {name: metric(server, f"kvforge:{name}") for name in IDLE_METRICS}
+        if not any(held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, ServerProcess, metric
+from conftest import API_KEY, ServerProcess, metric, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -40,13 +40,7 @@ def still_serves(server):
 
 def idle(server, timeout=15.0):
     """The engine holds nothing: no block, no running or waiting sequence."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (metric(server, "kvforge:kv_cache_usage_perc") == 0 and metric(server, "kvforge:num_requests_running") == 0
-                and metric(server, "kvforge:num_requests_waiting") == 0):
-            return True
-        time.sleep(0.1)
-    return False
+    return not any(wait_idle(server, timeout).values())
 
 
 @pytest.mark.parametrize("body,param", [
@@ -67,6 +61,10 @@ def idle(server, timeout=15.0):
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"extra_args": {"a": 1}}, "extra_args"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"temperature": 1e300}, "temperature"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"guided_choice": []}, "guided_choice"),
     ({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"},
      "chat_template"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#"}}}},
@@ -89,6 +87,7 @@ def test_neutral_values_of_refused_fields_are_accepted(server):
     (b'{"prompt": "x", "temperature": NaN}', "NaN"),
     (b'{"prompt": "x", "temperature": Infinity}', "Infinity"),
     (b'{"prompt": "x", ', "malformed JSON"),
+    (b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", "5000 digits"),
 ])
 def test_hostile_bodies_are_openai_shaped_400s(server, content, what):
     path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
@@ -135,6 +134,23 @@ def test_a_vanishing_temperature_answers_like_greedy(server):
     greedy = post(server, "/v1/completions", body | {"temperature": 0}).json()["choices"][0]["text"]
     tiny = post(server, "/v1/completions", body | {"temperature": 1e-300}).json()["choices"][0]["text"]
     assert tiny == greedy and tiny
+
+
+def test_a_vanishing_top_p_answers_like_greedy(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True}
+    greedy = post(server, "/v1/completions", body | {"temperature": 0}).json()["choices"][0]["text"]
+    tiny = post(server, "/v1/completions", body | {"top_p": 1e-300, "seed": 3}).json()["choices"][0]["text"]
+    assert tiny == greedy and tiny
+
+
+def test_a_constraint_that_leaves_no_token_is_a_400_for_that_request_only(server):
+    """A regex whose next character no token can spell: the request ends with a 400, not a made-up
+    token or a 500, and the engine holds nothing of it."""
+    body = {"prompt": "hi", "max_tokens": 8, "guided_regex": "K\U000897A5r"}
+    err = assert_error(post(server, "/v1/completions", body), 400)
+    assert "no token can be sampled" in err["message"], err
+    assert idle(server)
+    still_serves(server)
 
 
 def test_echo_with_logprobs_on_a_long_prompt_returns_every_position(server):

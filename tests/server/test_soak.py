@@ -1,0 +1,189 @@
+"""A bounded soak: ``CLIENTS`` well-behaved streaming clients and one attacker share one `kvforge serve`.
+
+Each well-behaved client loops over streamed completions and chats (official ``openai`` client, no
+retries) that must return exactly the tokens asked for (``ignore_eos``, usage and ``finish_reason``
+checked). The attacker replays issue 11's attack requests in a loop over raw HTTP; each must get its
+documented answer (a 400 naming the field, a 401, or a 200 for the vanishing temperature), never a 5xx.
+Afterwards the engine holds nothing: no KV block, nothing running or waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+from conftest import API_KEY, ServerProcess, wait_idle
+
+#: seconds the soak runs (the whole test takes this plus about 15 s); the one knob to change
+SOAK_S = 60.0
+CLIENTS = 32
+AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+TWO_MB = "word " * ((2 << 20) // 5)
+LONG_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMPLETION = {"prompt": "hi", "max_tokens": 3}
+
+
+@dataclass
+class Attack:
+    """One hostile request and the answer it must get (``param`` is the error's field, when it has one)."""
+
+    name: str
+    path: str
+    content: bytes
+    status: int
+    param: str | None = None
+    auth: bool = True
+    answers: list[int] = field(default_factory=list)
+
+
+def _json(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+ATTACKS = [
+    Attack("seed 2**64", "/v1/completions", _json(COMPLETION | {"seed": 2 ** 64}), 400, "seed"),
+    Attack("n=2 with seed 2**64-1", "/v1/completions", _json(COMPLETION | {"n": 2, "seed": 2 ** 64 - 1}), 400, "seed"),
+    Attack("request chat_template", "/v1/chat/completions", _json(CHAT | {"chat_template": LONG_TEMPLATE}), 400,
+           "chat_template"),
+    Attack("2 MB prompt", "/v1/completions", _json({"prompt": TWO_MB, "max_tokens": 2}), 400, "prompt"),
+    Attack("2 MB chat", "/v1/chat/completions", _json({"messages": [{"role": "user", "content": TWO_MB}]}), 400,
+           "messages"),
+    Attack("2 MB /tokenize", "/tokenize", _json({"prompt": TWO_MB}), 400, "prompt"),
+    Attack("2 MB /tokenize without the key", "/tokenize", _json({"prompt": TWO_MB}), 401, auth=False),
+    Attack("lone surrogate", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"\\ud800"}]}', 400),
+    Attack("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}', 400),
+    Attack("5000-deep JSON", "/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    Attack("$ref # schema", "/v1/chat/completions",
+           _json(CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#"}}}}),
+           400, "response_format"),
+    Attack("tools", "/v1/chat/completions", _json(CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+           400, "tools"),
+    Attack("unknown field", "/v1/completions", _json(COMPLETION | {"frobnicate": 1}), 400, "frobnicate"),
+    Attack("raw NaN", "/v1/completions", b'{"prompt":"x","temperature":NaN}', 400),
+    Attack("5000-digit integer", "/v1/completions", b'{"prompt":"x","max_tokens":' + b"9" * 5000 + b"}", 400),
+    Attack("temperature 1e300", "/v1/completions", _json(COMPLETION | {"temperature": 1e300}), 400, "temperature"),
+    Attack("repetition_penalty 1e-300", "/v1/completions", _json(COMPLETION | {"repetition_penalty": 1e-300}), 400,
+           "repetition_penalty"),
+    Attack("regex no token can continue", "/v1/completions",
+           _json(COMPLETION | {"max_tokens": 8, "guided_regex": "K\\U000897A5r"}), 400),
+]
+VANISHING_TEMPERATURE = {"prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": True,
+                         "temperature": 1e-300}
+
+
+@pytest.fixture(scope="module")
+def soak_server():
+    server = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "64", "--served-model-name", "tiny")
+    yield server
+    server.stop()
+
+
+async def well_behaved(client: openai.AsyncOpenAI, i: int, deadline: float, done: list, failed: list) -> None:
+    turn = 0
+    while time.monotonic() < deadline:
+        want = 4 + (i + turn) % 13
+        chat = (i + turn) % 2 == 0
+        what = f"client {i} turn {turn} ({'chat' if chat else 'completion'}, {want} tokens)"
+        turn += 1
+        kw = dict(model="tiny", max_tokens=want, stream=True, stream_options={"include_usage": True},
+                  extra_body={"ignore_eos": True})
+        try:
+            if chat:
+                stream = await client.chat.completions.create(
+                    messages=[{"role": "user", "content": f"client {i} turn {turn}"}], **kw)
+            else:
+                stream = await client.completions.create(prompt=f"client {i} turn {turn} says", **kw)
+            finish, usage = None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        except Exception as exc:  # noqa: BLE001  (recorded: the test fails on any)
+            failed.append(f"{what}: {type(exc).__name__}: {exc}")
+            continue
+        if usage is None or usage.completion_tokens != want or finish != "length":
+            failed.append(f"{what}: usage {usage}, finish_reason {finish!r}")
+        else:
+            done.append(want)
+
+
+async def vanish(port: int, stream: bool) -> None:
+    """Send a costly request on a raw socket and hang up at once, unread."""
+    payload = _json({"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True, "stream": stream})
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+def wrong_answer(r: httpx.Response, status: int, param: str | None) -> str | None:
+    """What is wrong with an attack's answer, or None."""
+    if r.status_code != status:
+        return f"status {r.status_code}, want {status}"
+    try:
+        err = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return "not an OpenAI error body"
+    if not isinstance(err, dict) or set(err) != {"message", "type", "param", "code"} or not err["message"]:
+        return f"not an OpenAI error: {err!r}"
+    if param is not None and err["param"] != param:
+        return f"param {err['param']!r}, want {param!r}"
+    return None
+
+
+async def attacker(server: ServerProcess, deadline: float, wrong: list) -> int:
+    rounds = 0
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+        while time.monotonic() < deadline:
+            for attack in ATTACKS:
+                headers = AUTH if attack.auth else {"Content-Type": "application/json"}
+                r = await c.post(attack.path, content=attack.content, headers=headers)
+                attack.answers.append(r.status_code)
+                problem = wrong_answer(r, attack.status, attack.param)
+                if problem:
+                    wrong.append(f"{attack.name}: {problem}: {r.text[:300]}")
+            r = await c.post("/v1/completions", json=VANISHING_TEMPERATURE, headers=AUTH)
+            if r.status_code != 200 or not r.json()["choices"][0]["text"] or r.json()["usage"]["completion_tokens"] != 4:
+                wrong.append(f"temperature 1e-300: {r.status_code} {r.text[:300]}")
+            await vanish(server.port, stream=False)
+            await vanish(server.port, stream=True)
+            rounds += 1
+            await asyncio.sleep(0.05)
+    return rounds
+
+
+def test_soak_well_behaved_clients_complete_while_one_attacks(soak_server):
+    done: list[int] = []
+    failed: list[str] = []
+    wrong: list[str] = []
+
+    async def main() -> int:
+        client = openai.AsyncOpenAI(base_url=f"{soak_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        deadline = time.monotonic() + SOAK_S
+        try:
+            results = await asyncio.gather(attacker(soak_server, deadline, wrong),
+                                           *(well_behaved(client, i, deadline, done, failed) for i in range(CLIENTS)))
+        finally:
+            await client.close()
+        return results[0]
+
+    rounds = asyncio.run(main())
+    log = "".join(list(soak_server.log)[-60:])
+    print(f"\nsoak {SOAK_S:.0f} s: {len(done)} well-behaved streams ({sum(done)} tokens), {rounds} attack rounds")
+    assert not failed, "\n".join(failed[:20]) + f"\n\nserver log:\n{log}"
+    assert not wrong, "\n".join(wrong[:20]) + f"\n\nserver log:\n{log}"
+    assert rounds >= 1 and all(a.answers for a in ATTACKS)
+    assert len(done) >= CLIENTS  # every client finished at least one stream
+
+    held = wait_idle(soak_server)  # the engine holds nothing once the last request is done
+    assert not any(held.values()), held
+    assert httpx.get(f"{soak_server.url}/health").status_code == 200
