@@ -8,5 +8,5 @@ registered in the ``kvforge.cli`` group). docs/benchmarks.md describes the comma
 
 #: ``--dataset`` choices (kvforge.bench.workloads) and ``--vs`` choices (kvforge.bench.peers); here so
 #: that building the ``kvforge`` parser imports no torch
-DATASETS = ("fixed", "uniform", "shared-prefix")
+DATASETS = ("fixed", "uniform", "shared-prefix", "edit")
 PEERS = ("hf-generate", "hf-continuous")

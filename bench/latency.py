@@ -17,6 +17,8 @@ import torch
 from kvforge.bench import report
 from kvforge.bench.metrics import decode_step_floor_s, kv_bytes_per_token, param_count, percentile, resolve_ceilings
 from kvforge.bench.peers import sync
+from kvforge.bench.spec_stats import describe as describe_spec
+from kvforge.bench.spec_stats import spec_delta
 from kvforge.bench.throughput import build_llm, device_name, finish, workload_for
 from kvforge.bench.workloads import BenchRequest, check_fits
 
@@ -48,12 +50,15 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: every run gets prompts of its own (the prefill-only runs too): a repeated prompt would
     # hit the prefix cache and skip its prefill
     n_runs = args.num_iters_warmup + 2 * args.num_iters
-    batches = [workload_for(args, mc.vocab_size, args.batch_size, seed_offset=i) for i in range(n_runs)]
+    batches = [workload_for(args, mc.vocab_size, args.batch_size, seed_offset=i, tokenizer=engine.tokenizer)
+               for i in range(n_runs)]
     check_fits(batches[0], engine.max_model_len)
     for batch in batches[:args.num_iters_warmup]:
         time_batch(llm, batch)
+    spec_before = engine.get_stats()["spec_decode"]
     timed = batches[args.num_iters_warmup:args.num_iters_warmup + args.num_iters]
     latencies = [time_batch(llm, batch) for batch in timed]
+    spec = spec_delta(spec_before, engine.get_stats()["spec_decode"])
     prefills = [time_batch(llm, batch, max_tokens=1) for batch in batches[args.num_iters_warmup + args.num_iters:]]
 
     workload = timed[0]
@@ -71,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
            "decode_floor_s": floor, "floor_ratio": step / floor if step and floor else None,
            "weight_bytes": param_count(mc) * itemsize,
            "kv_bytes_per_step": len(workload) * avg_ctx * kv_bytes_per_token(mc, itemsize),
-           "load_seconds": load_s}
+           "load_seconds": load_s, "spec_decode": spec}
     dev = device_name(device)
     lens = f"{sum(r.input_len for r in workload) // len(workload)} prompt x {longest} output tokens"
     print(f"\n{engine.source.name} on {dev}: batch of {args.batch_size} ({args.dataset}, {lens}), "
           f"{args.num_iters} iterations after {args.num_iters_warmup} warm-up; "
           + (f"floor at {bandwidth / 1e12:.2f} TB/s" if bandwidth else "floor n/a on CPU (give --bandwidth)"))
     print(report.format_table([row], report.LATENCY_COLUMNS))
+    if spec:
+        print(describe_spec(spec))
     finish(args, "latency", dev, str(dtype).removeprefix("torch."), mc, workload, [row],
            {"bandwidth": bandwidth, "flops": flops})
     if args.plot:

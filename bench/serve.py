@@ -32,6 +32,8 @@ import httpx
 
 from kvforge.bench import report
 from kvforge.bench.metrics import resolve_ceilings, roofline_tok_s, summarize
+from kvforge.bench.spec_stats import describe as describe_spec
+from kvforge.bench.spec_stats import from_metrics, spec_delta
 from kvforge.bench.throughput import derive, device_name, finish, workload_for
 from kvforge.bench.workloads import BenchRequest, check_fits, make_workload
 
@@ -230,6 +232,14 @@ def summarize_results(results: list[Result], workload: list[BenchRequest]) -> di
     }
 
 
+def _spec_counters(url: str) -> dict | None:
+    """The server's speculative-decoding counters (None: speculation off, or not a kvforge server)."""
+    try:
+        return from_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+    except httpx.HTTPError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -260,20 +270,26 @@ def run(args: argparse.Namespace) -> int:
             max_len, dtype, dev = None, config.torch_dtype, config.torch_device
         device, max_num_seqs = device_name(dev), config.max_num_seqs
     try:
-        workload = workload_for(args, mc.vocab_size)
+        tokenizer = None
+        if args.dataset == "edit":  # text prompts: the model's own tokenizer
+            from kvforge.tokenizer_source import tokenizer_for
+            tokenizer = tokenizer_for(config, resolve_model_source(config.model, config.load_format), mc)
+        workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
         if max_len:
             check_fits(workload, max_len)
         warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
                              seed=(args.seed or 0) + 1_000_003)[0]
         model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
                           if args.api_key else {}, timeout=30).json()["data"][0]["id"]
+        spec_before = _spec_counters(url)
         results, duration = asyncio.run(run_load(url, model, workload, warm, args.request_rate,
                                                  args.max_concurrency, args.seed or 0, args.api_key))
+        spec = spec_delta(spec_before, _spec_counters(url))
     finally:
         if server is not None:
             server.stop()
     row = {"engine": label, "seconds": duration, "cold_start_s": cold, "request_rate": args.request_rate,
-           "max_concurrency": args.max_concurrency} | summarize_results(results, workload)
+           "max_concurrency": args.max_concurrency, "spec_decode": spec} | summarize_results(results, workload)
     roofline = bandwidth = flops = None
     if dtype is not None:
         bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, torch.device(dev).type)
@@ -288,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.format_table([row], report.SERVE_COLUMNS))
     if row["failed"]:
         print(f"    {row['failed']} failed; first error: {row['errors'][0]}")
+    if spec:
+        print(describe_spec(spec))
     finish(args, "serve", device, str(dtype).removeprefix("torch.") if dtype else None, mc, workload, [row],
            {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops, "base_url": url})
     if args.plot:

@@ -18,6 +18,8 @@ import torch
 from kvforge.bench import report
 from kvforge.bench.metrics import resolve_ceilings, roofline_tok_s, summarize
 from kvforge.bench.peers import free_memory, run_peer, sync
+from kvforge.bench.spec_stats import describe as describe_spec
+from kvforge.bench.spec_stats import spec_delta
 from kvforge.bench.workloads import BenchRequest, check_fits, make_workload
 
 
@@ -33,10 +35,10 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
 
 
 def workload_for(args: argparse.Namespace, vocab_size: int, num_prompts: int | None = None,
-                 seed_offset: int = 0) -> list[BenchRequest]:
+                 seed_offset: int = 0, tokenizer: Any = None) -> list[BenchRequest]:
     return make_workload(args.dataset, num_prompts or args.num_prompts, args.input_len, args.output_len,
                          vocab_size, seed=(args.seed or 0) + seed_offset, range_ratio=args.range_ratio,
-                         prefix_len=args.prefix_len)
+                         prefix_len=args.prefix_len, tokenizer=tokenizer)
 
 
 def warm_up(llm: Any, args: argparse.Namespace, n: int) -> None:
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     llm, load_s = build_llm(args)
     engine = llm.llm_engine
     mc, source, device, dtype = engine.model_config, engine.source, engine.device, engine.dtype
-    workload = workload_for(args, mc.vocab_size)
+    workload = workload_for(args, mc.vocab_size, tokenizer=engine.tokenizer)
     check_fits(workload, engine.max_model_len)
     warm_up(llm, args, len(workload))
     before = engine.get_stats()
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     ours |= {"load_seconds": load_s, "cuda_graph_capture_s": engine.cuda_graph_capture_s,
              "num_blocks": engine.num_blocks, "max_num_seqs": engine.config.max_num_seqs,
              "preemptions": after["num_preemptions"] - before["num_preemptions"],
-             "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"]}
+             "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+             "spec_decode": spec_delta(before["spec_decode"], after["spec_decode"])}
     max_num_seqs, model_name = engine.config.max_num_seqs, source.name
     del llm, engine
     free_memory()
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     dev = device_name(device)
     print("\n" + describe(args, model_name, dev, workload, roofline, bandwidth, flops))
     print(report.format_table(rows, report.THROUGHPUT_COLUMNS))
+    if ours["spec_decode"]:
+        print(describe_spec(ours["spec_decode"]))
     finish(args, "throughput", dev, str(dtype).removeprefix("torch."), mc, workload, rows,
            {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops})
     if args.plot:

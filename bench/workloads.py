@@ -6,11 +6,15 @@ Datasets:
   output lengths from ``[output_len * (1 - r), output_len * (1 + r)]`` (integers, at least 1).
 - ``shared-prefix``: ``input_len`` prompt tokens of which the first ``prefix_len`` are the same in
   every request (prefix caching can reuse them); the rest are random per request.
+- ``edit``: real text, where copying is common (speculative decoding's n-gram drafter thrives on it):
+  seeded Python functions of about ``input_len`` tokens, then "the same code with one name changed",
+  so the model's continuation repeats the prompt. Needs the model's tokenizer.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +35,8 @@ class BenchRequest:
 
 
 def make_workload(dataset: str, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
-                  seed: int = 0, range_ratio: float = 0.5, prefix_len: int | None = None) -> list[BenchRequest]:
+                  seed: int = 0, range_ratio: float = 0.5, prefix_len: int | None = None,
+                  tokenizer: Any = None) -> list[BenchRequest]:
     """``num_prompts`` requests of ``dataset``; the same arguments give the same requests.
 
     ``prefix_len`` (shared-prefix only) defaults to ``input_len // 2``. Raises ``ValueError`` naming
@@ -44,6 +49,11 @@ def make_workload(dataset: str, num_prompts: int, input_len: int, output_len: in
     def tokens(n: int, length: int) -> list[list[int]]:
         return torch.randint(lo_id, vocab_size - lo_id, (n, length), generator=gen).tolist()
 
+    if dataset == "edit":
+        if tokenizer is None:
+            raise ValueError("--dataset edit: needs the model's tokenizer (a model with none has only token-id datasets)")
+        return [BenchRequest(edit_prompt(tokenizer, input_len, seed * 100_003 + i), output_len)
+                for i in range(num_prompts)]
     if dataset == "fixed":
         # NOTE: one [n, input_len] draw, so fixed workloads match the old benchmarks/throughput.py prompts
         return [BenchRequest(p, output_len) for p in tokens(num_prompts, input_len)]
@@ -55,6 +65,35 @@ def make_workload(dataset: str, num_prompts: int, input_len: int, output_len: in
     prefix_len = input_len // 2 if prefix_len is None else prefix_len
     prefix = tokens(1, prefix_len)[0] if prefix_len else []
     return [BenchRequest(prefix + s, output_len) for s in tokens(num_prompts, input_len - prefix_len)]
+
+
+_NAMES = ["total", "count", "value", "items", "result", "index", "offset", "limit", "buffer", "score",
+          "weight", "price", "name", "width", "height", "left", "right", "node", "parent", "child"]
+
+
+def edit_prompt(tokenizer: Any, input_len: int, seed: int) -> list[int]:
+    """Seeded Python functions of about ``input_len`` tokens and an instruction to repeat them with one
+    name changed, ending where the copy starts."""
+    rng = random.Random(seed)
+    functions: list[str] = []
+    text = ""
+    while True:
+        a, b, c, d = rng.sample(_NAMES, 4)
+        n, m = rng.randint(2, 99), rng.randint(2, 9)
+        functions.append(f"def update_{a}_{len(functions)}({a}, {b}):\n    {c} = {a} + {b} * {m}\n"
+                         f"    if {c} > {n}:\n        {d} = {c} - {a}\n    else:\n        {d} = {c} + {b}\n"
+                         f"    return {d} * {m}\n\n")
+        body = "".join(functions)
+        old = functions[0].split("(")[1].split(",")[0]
+        new = f"new_{old}"
+        candidate = (f"{body}# The same code, with the variable `{old}` renamed to `{new}` and nothing else "
+                     f"changed:\n\n")
+        if text and len(tokenizer.encode(candidate, add_special_tokens=False)) > input_len:
+            break
+        text = candidate
+        if len(functions) > 10_000:
+            break
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def check_workload_args(dataset: str, num_prompts: int, input_len: int, output_len: int,

@@ -102,9 +102,9 @@ def _beam_search_group(engine: Any, prompts: list[list[int]], params: BeamSearch
     try:
         while any(not s.done for s in searches):
             engine.step()
-            for rid, entry in engine.last_runner_output.logprobs.items():
+            for rid, entries in engine.last_runner_output.logprobs.items():  # one token per beam per step
                 if rid in by_id:
-                    by_id[rid][1].ready = entry
+                    by_id[rid][1].ready = entries[0]
             for s in searches:
                 if not s.done and all(b.ready is not None for b in s.beams):
                     _advance(engine, s, params, eos, ids, by_id)

@@ -32,7 +32,20 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--scheduler", dict(default=None)),
     ("--sampler", dict(default=None)),
     ("--kv-cache-manager", dict(default=None)),
+    ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),
+                                  help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
+                                       '"num_speculative_tokens": 4}\' (docs/speculative.md)')),
 ]
+
+
+def _json_table(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{flag}: must be a JSON object")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:

@@ -63,6 +63,9 @@ class EngineConfig:
         on the host first (structured outputs, penalties, bad words, min_tokens, logits processors,
         n > 1 before the fork, beam search) is waited for before the next one is scheduled.
     attention_backend / scheduler / sampler / kv_cache_manager: plugin names.
+    speculative_config: speculative decoding, vLLM's keys: ``{"method": "ngram",
+        "num_speculative_tokens": 4, ...}`` (a ``[speculative]`` table in a config file); ``method``
+        names a registered drafter, the other keys are described in docs/speculative.md. None: off.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -92,6 +95,7 @@ class EngineConfig:
     sampler: str = "default"
     kv_cache_manager: str = "paged"
     trust_remote_code: bool = False
+    speculative_config: dict[str, Any] | None = None
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,6 +135,9 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.speculative_config is not None:
+            from kvforge.speculative import SpeculativeConfig
+            SpeculativeConfig.from_dict(self.speculative_config)
         if not isinstance(self.plugins, dict) or not all(isinstance(v, dict) for v in self.plugins.values()):
             raise ValueError("plugins must map component names to option tables")
 
@@ -153,6 +160,8 @@ class EngineConfig:
     def create(cls, config: str | os.PathLike | None = None, **overrides: Any) -> "EngineConfig":
         """Defaults, then the config file (if any), then ``overrides`` (None values are ignored)."""
         values: dict[str, Any] = load_config_file(config) if config is not None else {}
+        if "speculative" in values:  # the config file's [speculative] table
+            values["speculative_config"] = values.pop("speculative")
         plugins = dict(values.pop("plugins", {}) or {})
         for key, table in (overrides.pop("plugins", None) or {}).items():
             plugins[key] = {**plugins.get(key, {}), **table}

@@ -1,17 +1,20 @@
-"""CUDA graphs for decode-only steps: capture once per padded batch size, replay every step.
+"""CUDA graphs for uniform steps: capture once per (padded batch size, query tokens per sequence),
+replay every step.
 
 A decode step (every sequence computes one token) runs the same kernels each time, only on other
 data; replaying a captured graph removes the per-kernel launch cost (hundreds of launches per step
-for a 32-layer model). Inputs live in static buffers: token ids, positions, and the attention
-metadata, which the backend refreshes in place (``AttentionBackend.update_graph_metadata``).
+for a 32-layer model). Speculative decoding's verification steps are uniform too: every sequence
+computes 1 + k tokens (its own token and k drafts, padded to k by the engine), so they get graphs
+of their own, keyed by the query length q. Inputs live in static buffers: token ids, positions, and
+the attention metadata, which the backend refreshes in place (``AttentionBackend.update_graph_metadata``).
 A batch of n sequences replays the graph of the smallest captured size >= n; the padding rows
-compute a throw-away token (slot -1: nothing is written to the cache).
+compute throw-away tokens (slot -1: nothing is written to the cache).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +22,11 @@ import torch
 from kvforge.attention import AttentionBackend, BatchLayout
 
 logger = logging.getLogger(__name__)
+
+#: verification graphs (q > 1) are captured only for batches of at most this many query tokens: past
+#: it a step is compute-bound, launches are a small part of it, and the speculation policy turns
+#: drafting off anyway
+MAX_SPEC_GRAPH_TOKENS = 1024
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
@@ -30,39 +38,51 @@ def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     return sizes
 
 
-def decode_layout(n: int, max_blocks: int, seq_lens: np.ndarray | None = None,
-                  block_tables: np.ndarray | None = None, slots: np.ndarray | None = None) -> BatchLayout:
-    """A decode-only layout of n rows (defaults: context 1, block 0, slot -1 = no write)."""
+def uniform_layout(n: int, q: int, max_blocks: int, seq_lens: np.ndarray | None = None,
+                   block_tables: np.ndarray | None = None, slots: np.ndarray | None = None) -> BatchLayout:
+    """A layout of n sequences of q query tokens each (defaults: context q, block 0, slot -1 = no write)."""
     return BatchLayout(
-        query_start_loc=np.arange(n + 1, dtype=np.int32),
-        seq_lens=np.ones(n, dtype=np.int32) if seq_lens is None else seq_lens,
+        query_start_loc=np.arange(n + 1, dtype=np.int32) * q,
+        seq_lens=np.full(n, q, dtype=np.int32) if seq_lens is None else seq_lens,
         block_tables=np.zeros((n, max_blocks), dtype=np.int32) if block_tables is None else block_tables,
-        slot_mapping=np.full(n, -1, dtype=np.int64) if slots is None else slots,
+        slot_mapping=np.full(n * q, -1, dtype=np.int64) if slots is None else slots,
     )
 
 
+def decode_layout(n: int, max_blocks: int, seq_lens: np.ndarray | None = None,
+                  block_tables: np.ndarray | None = None, slots: np.ndarray | None = None) -> BatchLayout:
+    """A decode-only layout of n rows (defaults: context 1, block 0, slot -1 = no write)."""
+    return uniform_layout(n, 1, max_blocks, seq_lens, block_tables, slots)
+
+
 class CUDAGraphRunner:
-    """Holds one captured graph per batch size, with their static inputs and outputs."""
+    """Holds one captured graph per (batch size, query length), with their static inputs and outputs."""
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
-                 max_num_seqs: int, max_model_len: int, device: torch.device):
+                 max_num_seqs: int, max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,)):
         self.model, self.attn, self.kv_caches = model, attn, kv_caches
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
+        self.query_lens = sorted(set(query_lens) | {1})
+        # sizes per query length: every size for decode, verification only up to MAX_SPEC_GRAPH_TOKENS
+        self.sizes_for = {q: [s for s in self.sizes if q == 1 or s * q <= MAX_SPEC_GRAPH_TOKENS]
+                          for q in self.query_lens}
         self.max_blocks = -(-max_model_len // attn.block_size)
-        top = self.sizes[-1]
+        top = max(s * q for q, sizes in self.sizes_for.items() for s in sizes)
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any, torch.Tensor]] = {}
+        self.replays: dict[tuple[int, int], int] = {}  # (size, q) -> replays so far
         self.pool = None
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every size, largest first (so smaller graphs reuse its memory pool)."""
+        """Capture every (size, q), largest first (so smaller graphs reuse its memory pool)."""
         start = time.perf_counter()
-        for n in reversed(self.sizes):
-            meta = self.attn.build_graph_metadata(decode_layout(n, self.max_blocks))
-            ids, pos = self.input_ids[:n], self.positions[:n]
+        keys = sorted(((s, q) for q, sizes in self.sizes_for.items() for s in sizes), key=lambda k: -k[0] * k[1])
+        for n, q in keys:
+            meta = self.attn.build_graph_metadata(uniform_layout(n, q, self.max_blocks))
+            ids, pos = self.input_ids[:n * q], self.positions[:n * q]
             for _ in range(2):  # warm up: autotuning, lazy allocations
                 self.model(ids, pos, self.kv_caches, meta)
             torch.cuda.synchronize(self.device)
@@ -71,24 +91,34 @@ class CUDAGraphRunner:
                 hidden = self.model(ids, pos, self.kv_caches, meta)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[n] = (graph, meta, hidden)
+            self.graphs[(n, q)] = (graph, meta, hidden)
         torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], elapsed)
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d, query lengths %s) in %.1f s", len(self.graphs),
+                    self.sizes[0], self.sizes[-1], self.query_lens, elapsed)
         return elapsed
 
-    def padded_size(self, out: Any) -> int | None:
-        """The captured size to replay for a scheduled step, or None: not decode-only, or too large."""
+    def padded_size(self, out: Any) -> tuple[int, int] | None:
+        """The captured (size, q) to replay for a scheduled step, or None: not uniform (every sequence
+        q tokens, q captured), or too large."""
         n = len(out.scheduled)
-        if n > self.sizes[-1] or out.total_num_scheduled_tokens != n:
+        if not n:
             return None
-        return next(s for s in self.sizes if s >= n)
+        total = out.total_num_scheduled_tokens
+        q = total // n
+        sizes = self.sizes_for.get(q)
+        if not sizes or total != n * q or n > sizes[-1]:
+            return None
+        if q > 1 and any(v != q for v in out.num_scheduled_tokens.values()):
+            return None
+        return next(s for s in sizes if s >= n), q
 
     def replay(self, layout: BatchLayout) -> torch.Tensor:
-        """Replay the graph of ``layout.num_seqs`` rows (already padded to a captured size, its inputs
-        already in ``input_ids`` / ``positions``); returns hidden states [size, hidden] (a view)."""
-        graph, meta, hidden = self.graphs[layout.num_seqs]
+        """Replay the graph of ``layout`` (already padded to a captured size, its inputs already in
+        ``input_ids`` / ``positions``); returns hidden states [size * q, hidden] (a view)."""
+        key = (layout.num_seqs, layout.num_tokens // layout.num_seqs)
+        graph, meta, hidden = self.graphs[key]
         self.attn.update_graph_metadata(meta, layout)
         graph.replay()
+        self.replays[key] = self.replays.get(key, 0) + 1
         return hidden

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from kvforge.builder import component, select_attention_backend, validate_plugin_tables
-from kvforge.config import EngineConfig
+from kvforge.config import EngineConfig, build_options
+from kvforge.drafter import DraftBatch
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
@@ -17,9 +18,10 @@ from kvforge.output_processor import OutputProcessor, ParentState
 from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.request import Request, RequestStatus
-from kvforge.sampler import NO_TOKEN
+from kvforge.sampler import NO_TOKEN, Sampler
 from kvforge.sampling_params import SamplingParams
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvforge.speculative import SpecDecodeStats, SpeculationPolicy, SpeculativeConfig
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
 
@@ -58,6 +60,9 @@ class LLMEngine:
                             logits_processors=self._logits_processor)
         self.runner = ModelRunner(model, attn, sampler, num_layers=mc.num_hidden_layers,
                                   vocab_size=mc.vocab_size, device=self.device)
+        self.drafter, self.spec_config = self._build_drafter(pm, config, sampler)
+        if self.drafter is not None:
+            self.runner.extra_bytes_per_block = self.drafter.kv_bytes_per_block(config.block_size)
 
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
@@ -78,6 +83,9 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.runner.initialize_kv_cache(num_blocks)
+        if self.drafter is not None:
+            self.drafter.initialize(num_blocks=num_blocks, block_size=config.block_size,
+                                    max_num_seqs=config.max_num_seqs, max_model_len=max_len)
         self.runner.initialize_input_buffers(config.max_num_batched_tokens, config.max_num_seqs, max_len)
         wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self.async_scheduling = wanted and attn_cls.capabilities.supports_async_scheduling
@@ -86,7 +94,8 @@ class LLMEngine:
         self.cuda_graph_capture_s = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
-            self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(config.max_num_seqs, max_len)
+            spec_q = (1 + self.spec_config.num_speculative_tokens,) if self.drafter is not None else ()
+            self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(config.max_num_seqs, max_len, spec_q)
         num_cpu_blocks = self.runner.initialize_swap_space(config.swap_space)
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
@@ -103,9 +112,37 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.spec_stats = SpecDecodeStats()
+        self.spec_policy: SpeculationPolicy | None = None
+        if self.drafter is not None:
+            sc = self.spec_config
+            self.spec_stats.accepted_by_position = [0] * sc.num_speculative_tokens
+            knee = sc.knee_tokens or (256 if self.device.type == "cuda" else 16)
+            self.spec_policy = SpeculationPolicy(sc.num_speculative_tokens, sc.policy, knee)
+        self._last_complete = None  # perf_counter() of the last applied step (the policy's step times)
+        self._speculating = False  # the policy asked for drafts for the next step (it runs synchronously)
+        self._step_modes: dict[int, bool] = {}  # id(SchedulerOutput) -> whether its step was speculating
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
                     self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
         pm.hook.engine_created(engine=self)
+
+    def _build_drafter(self, pm: Any, config: EngineConfig, sampler: Any) -> tuple[Any, Any]:
+        """The drafter named by ``speculative_config["method"]``, with its validated options."""
+        if config.speculative_config is None:
+            return None, None
+        sc = SpeculativeConfig.from_dict(config.speculative_config)
+        if type(sampler).target is Sampler.target:
+            raise ValueError(f"speculative_config: sampler {config.sampler!r} does not implement target(), "
+                             "which verifying drafts needs")
+        try:
+            cls = pm.get("drafter", sc.method)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config: method: {exc}") from None
+        options = build_options(cls, sc.method, sc.drafter_options)
+        drafter = cls(num_speculative_tokens=sc.num_speculative_tokens, vocab_size=self.model_config.vocab_size,
+                      device=self.device, dtype=self.dtype, block_size=config.block_size, **options)
+        logger.info("speculative decoding: %s, k=%d, policy %s", sc.method, sc.num_speculative_tokens, sc.policy)
+        return drafter, sc
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is
@@ -284,6 +321,10 @@ class LLMEngine:
         prev = self._inflight  # only ever a step that passed _may_overlap
         self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
+        if self.drafter is not None:
+            self._step_modes[id(sched_out)] = self._speculating
+            self.drafter.release(sched_out.finished_request_ids)
+            self.spec_policy.release(sched_out.finished_request_ids)
         handle = self.runner.launch(sched_out, self.kv_cache, prev=prev[1] if prev is not None else None)
         for rid, failure in handle.errors.items():  # before advance(): no placeholder for a failed request
             self.fail_request(rid, failure)
@@ -291,11 +332,59 @@ class LLMEngine:
             outputs += self._complete(prev)
         self.scheduler.advance(sched_out)
         self._inflight = None
-        if self.async_scheduling and not sched_out.is_empty and self._may_overlap(sched_out):
+        # speculation: the next step can only verify drafts proposed from this step's tokens, so a
+        # step is overlapped only when the policy wants no drafts next
+        k_next = self._next_num_drafts() if self.drafter is not None else 0
+        self._speculating = k_next > 0
+        if (self.async_scheduling and not sched_out.is_empty and self._may_overlap(sched_out)
+                and not sched_out.draft_token_ids and not k_next):
             self._inflight = (sched_out, handle)
         else:
             outputs += self._complete((sched_out, handle))
+            if self.drafter is not None:
+                self._propose(k_next)
         return outputs
+
+    def _decoding(self) -> list[Request]:
+        """Running requests whose next step decodes one token of their own (drafts may join it)."""
+        return [r for r in self.scheduler.running if not r.finished and not r.external_tokens
+                and r.num_tokens - r.num_computed_tokens == 1]
+
+    def _next_num_drafts(self) -> int:
+        decoding = [r.request_id for r in self.scheduler.running if not r.external_tokens]
+        return self.spec_policy.num_draft_tokens(decoding)
+
+    def _propose(self, k: int) -> None:
+        """Drafts for the next step: at most ``k`` per decoding request, never past its ``max_tokens``
+        or the context length, cut where its grammar would refuse one."""
+        reqs = self._decoding()
+        if not reqs:
+            return
+        for r in reqs:
+            r.clear_drafts()
+        if k == 0:
+            self.spec_stats.num_steps_without += 1
+            return
+        ks = [max(0, min(k, r.max_tokens - len(r.output_token_ids) - 1, self.max_model_len - r.num_tokens - 1))
+              for r in reqs]
+        if self.runner.extra_bytes_per_block:  # a drafter with its own KV cache writes k - 1 positions ahead
+            ks = [kk if kk == 0 or self.kv_cache.allocate_slots(r, kk) else 0 for r, kk in zip(reqs, ks)]
+        tables = [self.kv_cache.block_table(r.request_id) for r in reqs]
+        proposal = self.drafter.propose(DraftBatch(reqs, ks, tables))
+        probs = proposal.draft_probs or [None] * len(reqs)
+        # with CUDA graphs, verification steps replay a graph when every request has k drafts: fill short
+        # runs up (a filler is verified like any draft, so it costs compute, never correctness)
+        pad = self.runner.graphs is not None and k == self.spec_config.num_speculative_tokens
+        for r, kk, drafts, q in zip(reqs, ks, proposal.token_ids, probs):
+            drafts = list(drafts[:kk])
+            if len(drafts) < kk and not pad:  # slots the drafter left empty count as rejected for the policy
+                self.spec_policy.observe(r.request_id, kk - len(drafts), 0)
+            if drafts and r.grammar is not None:
+                drafts = drafts[:r.grammar.valid_prefix(drafts)]
+            elif pad and len(drafts) < kk:
+                drafts += [drafts[-1] if drafts else r.all_token_ids[-1]] * (kk - len(drafts))
+            r.draft_token_ids = drafts
+            r.draft_probs = q[:len(drafts)] if q is not None and drafts else None
 
     @staticmethod
     def _may_overlap(sched_out: SchedulerOutput) -> bool:
@@ -315,24 +404,58 @@ class LLMEngine:
         runner_out = handle.result()
         self.last_runner_output = runner_out  # beam search reads the beams' logprobs here
         sampled = runner_out.sampled_token_ids
-        for rid in [rid for rid, tok in sampled.items() if tok == NO_TOKEN]:
+        for rid in [rid for rid, toks in sampled.items() if toks[-1] == NO_TOKEN]:
             del sampled[rid]
             self.fail_request(rid, NOTHING_TO_SAMPLE)
+        if self.drafter is not None:
+            self._record_step(sched_out, sampled)
+        if sched_out.draft_token_ids:
+            self._record_acceptance(sched_out.draft_token_ids, sampled)
+        before = {r.request_id: len(r.output_token_ids) - r.num_placeholders for r in sched_out.scheduled}
         updated = self.scheduler.update(sched_out, runner_out)
         for req in updated:
             if req.grammar is not None and not req.finished:
                 self._advance_grammar(req)
-        self.num_generation_tokens += len(updated)
-        self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if len(r.output_token_ids) == 1)
+            self.num_generation_tokens += len(req.output_token_ids) - before.get(req.request_id, 0)
+        self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if before.get(r.request_id, 0) == 0)
         return self.outputs.process(updated, runner_out, self._stop_by_string, self.fail_request)
 
+    def _record_step(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Tell the policy what a decode-only step cost (wall time since the previous applied step)."""
+        now = time.perf_counter()
+        last, self._last_complete = self._last_complete, now
+        drafts = sched_out.draft_token_ids
+        decode_only = all(sched_out.num_scheduled_tokens[r.request_id] == 1 + len(drafts.get(r.request_id, ()))
+                          for r in sched_out.scheduled)
+        # the step's mode is what the policy decided for it (a speculating step runs synchronously and
+        # pays for the drafter even when the drafter found nothing)
+        speculating = self._step_modes.pop(id(sched_out), bool(drafts))
+        if last is not None and decode_only and sched_out.scheduled:
+            self.spec_policy.record_step(len(sched_out.scheduled), speculating,
+                                         sum(len(t) for t in sampled.values()), now - last)
+
+    def _record_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+        self.spec_stats.num_steps += 1
+        for rid, d in drafts.items():
+            tokens = sampled.get(rid)
+            if tokens is not None and d:
+                accepted = len(tokens) - 1
+                self.spec_stats.record(len(d), accepted)
+                self.spec_policy.observe(rid, len(d), accepted)
+
     def _advance_grammar(self, req: Request) -> None:
+        """Advance the grammar by the step's new tokens (several when drafts were accepted)."""
+        g = req.grammar
         try:
-            if not req.grammar.accept(req.output_token_ids[-1]):
-                self.fail_request(req.request_id, RequestFailure(
-                    "structured_outputs: the grammar rejected a sampled token", 500))
-            elif req.grammar.terminated:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            for token in req.output_token_ids[g.num_accepted:]:
+                if not g.accept(token):
+                    self.fail_request(req.request_id, RequestFailure(
+                        "structured_outputs: the grammar rejected a sampled token", 500))
+                    return
+                g.num_accepted += 1
+                if g.terminated:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                    return
         except Exception as exc:
             if is_device_error(exc):
                 raise
@@ -370,7 +493,8 @@ class LLMEngine:
                 "num_free_cpu_blocks": kv.num_free_cpu_blocks, "waiting_by_priority": sch.waiting_by_priority,
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
-                "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens}
+                "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
+                "spec_decode": self.spec_stats.as_dict() if self.drafter is not None else None}
 
 
 def _check_sliding_window(window: int | None, max_len: int, explicit: bool) -> int:

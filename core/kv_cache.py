@@ -50,7 +50,8 @@ class KVCacheManager(ABC):
     """Allocates blocks on demand and frees them at once; shares them by prefix hash and by fork.
 
     Call order for one request: ``get_computed_blocks`` (first schedule only) ->
-    ``allocate_slots`` each step it runs -> ``free`` when it finishes, is aborted or preempted.
+    ``allocate_slots`` each step it runs (with drafts, slots for them too: lookahead) -> ``free_tail``
+    after a step that rejected drafts -> ``free`` when it finishes, is aborted or preempted.
     A scheduler that preempts by swapping calls ``swap_out`` instead of ``free`` and ``swap_in``
     before the request's next ``allocate_slots``; a manager without a CPU pool (``num_cpu_blocks``
     0, or one that does not implement swapping) answers None and the scheduler recomputes instead.
@@ -86,6 +87,11 @@ class KVCacheManager(ABC):
         ``computed_blocks`` (from ``get_computed_blocks``) are claimed first and count as computed.
         Returns False, changing nothing, when there are not enough free blocks.
         """
+
+    def free_tail(self, request_id: str, num_tokens: int) -> None:  # noqa: B027 - optional
+        """Speculative decoding: give back the request's blocks past those that hold its first
+        ``num_tokens`` tokens (they held only rejected drafts; nothing there is hashed). Default: keep
+        them, which is correct but holds them until the request's next steps fill them."""
 
     @abstractmethod
     def free(self, request_id: str) -> None:

@@ -13,7 +13,8 @@ from kvforge.attention import AttentionBackend, BatchLayout
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.input_buffers import StagingBuffers, d2h, h2d
 from kvforge.kv_cache import KVCacheManager
-from kvforge.sampler import Sampler
+from kvforge.rejection_sampler import VerifiedTokens, rejection_sample
+from kvforge.sampler import DraftRow, Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvforge.swap import CPUSwapSpace
 
@@ -40,11 +41,12 @@ class ModelRunner:
         self.graphs = None  # a CUDAGraphRunner once captured
         self.timing: dict[str, float] | None = None  # per-phase seconds, when profiling
         self.swap_space: CPUSwapSpace | None = None
+        self.extra_bytes_per_block = 0  # a drafter's own KV cache shares the block ids (Drafter.kv_bytes_per_block)
 
     # -- KV cache sizing -------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         shape = self.attn.kv_cache_shape(1)
-        return math.prod(shape) * self.attn.dtype.itemsize * self.num_layers
+        return math.prod(shape) * self.attn.dtype.itemsize * self.num_layers + self.extra_bytes_per_block
 
     def determine_num_blocks(self, *, num_blocks_override: int | None, kv_cache_memory_gib: float | None,
                              gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -104,12 +106,13 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers)
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode graphs (CUDA and a backend that supports them); returns the seconds it took."""
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> float:
+        """Capture graphs of uniform steps (CUDA and a backend that supports them): decode, and with
+        speculative decoding verification with ``query_lens`` tokens per sequence; returns the seconds."""
         from kvforge.cuda_graphs import CUDAGraphRunner
 
         self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len, device=self.device)
+                                      max_model_len=max_model_len, device=self.device, query_lens=query_lens)
         return self.graphs.capture()
 
     def initialize_swap_space(self, swap_space_gib: float) -> int:
@@ -148,14 +151,14 @@ class ModelRunner:
         if out.is_empty:
             return StepHandle.done(ModelRunnerOutput())
         self.attn.copy_blocks(self.kv_caches, out.blocks_to_copy)
-        graph_size = None
+        graph_key = None  # (padded batch size, query tokens per sequence) of a uniform step
         if self.graphs is not None and not any(r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
-            graph_size = self.graphs.padded_size(out)
-        buf, layout, sample_reqs, fills = self._layout(out, kv, graph_size, prev)
+            graph_key = self.graphs.padded_size(out)
+        buf, layout, sample_reqs, fills, row_counts = self._layout(out, kv, graph_key, prev)
         dev = self.device
         num_rows = layout.num_tokens  # with graph padding
         pinned = buf.tensors
-        if graph_size is not None:
+        if graph_key is not None:
             ids_dev, pos_dev = self.graphs.input_ids[:num_rows], self.graphs.positions[:num_rows]
         else:
             ids_dev, pos_dev = self.input_ids_for(num_rows)
@@ -165,14 +168,18 @@ class ModelRunner:
             dst = pinned["fill_dst"][:fills].to(dev, non_blocking=True)
             src = pinned["fill_src"][:fills].to(dev, non_blocking=True)
             ids_dev[dst] = prev.tokens[src]
-        if graph_size is not None:
-            hidden = self.graphs.replay(layout)[:len(out.scheduled)]  # decode-only: replay a graph
+        if graph_key is not None:  # a uniform step (decode, or verification of k drafts each): replay a graph
+            hidden = self.graphs.replay(layout)[:out.total_num_scheduled_tokens]
         else:
             meta = self.attn.build_metadata(layout)
             hidden = self.model(ids_dev, pos_dev, self.kv_caches, meta)  # [num_tokens, hidden]
         handle = StepHandle(buf, dev)
         self._prompt_logprobs(out, layout, hidden, handle)
-        if sample_reqs:
+        if sample_reqs and row_counts is not None:  # the step verifies drafts
+            rows = pinned["sample_rows"][:sum(row_counts)].to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows]).float()  # [sum(1 + k), vocab]
+            self._verify(logits, sample_reqs, row_counts, out.draft_token_ids, handle)
+        elif sample_reqs:
             rows = pinned["sample_rows"][:len(sample_reqs)].to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
             sampled = self._sample(logits, sample_reqs, handle)  # NO_TOKEN (-1) where nothing could be sampled
@@ -205,6 +212,71 @@ class ModelRunner:
                     raise
                 handle.errors[req.request_id] = RequestFailure.from_exception(exc, "sampling")
         return tokens
+
+    def _verify(self, logits: torch.Tensor, reqs: list, counts: list[int], drafts: dict[str, list[int]],
+                handle: "StepHandle") -> None:
+        """Verify the step's drafts with the rejection sampler: request b owns ``counts[b]`` rows
+        (1 + its drafts). Isolated like :meth:`_sample`: if the batch raises, each request is verified
+        alone, and one that still raises fails on its own."""
+        K = max(counts) - 1
+        try:
+            verified = self._verify_rows(logits, reqs, counts, drafts, K)
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            logger.warning("verifying a batch of %d failed (%r); verifying its requests one by one", len(reqs), exc)
+            tokens = torch.full((len(reqs), K + 1), 0, dtype=torch.long, device=self.device)
+            emitted = torch.ones(len(reqs), dtype=torch.long, device=self.device)
+            start = 0
+            for b, (req, c) in enumerate(zip(reqs, counts)):
+                try:
+                    one = self._verify_rows(logits[start:start + c], [req], [c], drafts, K)
+                    tokens[b], emitted[b] = one.tokens[0], one.num_emitted[0]
+                except Exception as exc:
+                    if is_device_error(exc):
+                        raise
+                    handle.errors[req.request_id] = RequestFailure.from_exception(exc, "sampling")
+                start += c
+            verified = VerifiedTokens(tokens, emitted, emitted - 1, torch.zeros(K, dtype=torch.long))
+        handle.set_verified(verified, reqs, counts)
+        want = [b for b, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        if want:
+            first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            row_b = np.concatenate([np.full(counts[b], b) for b in want])
+            row_j = np.concatenate([np.arange(counts[b]) for b in want])
+            rows = np.concatenate([first[b] + np.arange(counts[b]) for b in want])
+            row_tokens = verified.tokens[h2d(row_b, torch.long, self.device), h2d(row_j, torch.long, self.device)]
+            k = max(reqs[b].sampling_params.logprobs for b in want)
+            handle.logprobs = ([reqs[b] for b in want], _logprob_tensors(
+                logits[h2d(rows, torch.long, self.device)], row_tokens.clamp_min(0), k))
+            handle.logprob_rows = [counts[b] for b in want]
+
+    def _verify_rows(self, logits: torch.Tensor, reqs: list, counts: list[int], drafts: dict[str, list[int]],
+                     K: int) -> VerifiedTokens:
+        views: list = []
+        first, draft_rows = [], np.zeros((len(reqs), K), dtype=np.int64)
+        for b, (req, c) in enumerate(zip(reqs, counts)):
+            first.append(len(views))
+            d = drafts.get(req.request_id, [])[:c - 1]
+            draft_rows[b, :len(d)] = d
+            views.append(req)
+            views.extend(DraftRow(req, d[:j]) for j in range(1, c))
+        target = self.sampler.target(logits, self.sampler.prepare(views))
+        dev = self.device
+        tokens = h2d(draft_rows, torch.long, dev)
+        return rejection_sample(target, tokens, h2d([c - 1 for c in counts], torch.long, dev),
+                                h2d(first, torch.long, dev), self._draft_probs(reqs, counts, tokens, K))
+
+    def _draft_probs(self, reqs: list, counts: list[int], tokens: torch.Tensor, K: int) -> torch.Tensor | None:
+        """[B, K, vocab] q of every draft: the drafter's where it gave one, else one-hot at the draft."""
+        if K == 0 or all(r.draft_probs is None for r in reqs):
+            return None
+        q = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
+        for b, (r, c) in enumerate(zip(reqs, counts)):
+            if r.draft_probs is not None and c > 1:  # (filler drafts past the drafter's own stay one-hot)
+                n = min(c - 1, len(r.draft_probs))
+                q[b, :n] = r.draft_probs[:n]
+        return q
 
     def input_ids_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if n > self.input_ids.shape[0]:
@@ -244,13 +316,13 @@ class ModelRunner:
         ``PROMPT_LOGPROBS_SLICE_BYTES`` of float32 logits and their temporaries."""
         return max(1, PROMPT_LOGPROBS_SLICE_BYTES // (self.vocab_size * 12))
 
-    def _layout(self, out: SchedulerOutput, kv: KVCacheManager, graph_size: int | None,
+    def _layout(self, out: SchedulerOutput, kv: KVCacheManager, graph_key: tuple[int, int] | None,
                 prev: "StepHandle | None"):
         """Lay the step out in the next set of staging buffers: vectorised, no per-step allocation.
 
-        With ``graph_size`` (a decode-only batch replayed as a CUDA graph), rows past the batch are
-        padding: context 1, block 0, slot -1 (nothing written), and the block tables are as wide as
-        the captured graph's.
+        With ``graph_key`` = (size, q) (a uniform batch replayed as a CUDA graph), the sequences past
+        the batch are padding of q tokens each: context q, block 0, slot -1 (nothing written), and the
+        block tables are as wide as the captured graph's.
         """
         reqs = out.scheduled
         n = len(reqs)
@@ -260,18 +332,25 @@ class ModelRunner:
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=n)
         tables = [kv.block_table(r.request_id) for r in reqs]
         total = int(q_lens.sum())
-        rows = graph_size or n
-        num_rows = total if graph_size is None else graph_size
-        width = self.graphs.max_blocks if graph_size is not None else max(len(t) for t in tables)
+        rows, q = graph_key if graph_key is not None else (n, 0)
+        num_rows = total if graph_key is None else rows * q
+        width = self.graphs.max_blocks if graph_key is not None else max(len(t) for t in tables)
         num_forks = sum(len(r.forks) for r in reqs)
-        buf = self.staging.next(num_rows, rows + num_forks, width)
+        drafts = out.draft_token_ids
+        num_drafts = sum(len(d) for d in drafts.values())
+        buf = self.staging.next(num_rows, rows + num_forks + num_drafts, width)
         b = buf.np
         qsl = b["query_start_loc"][:rows + 1]
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1:n + 1])
         ids = b["input_ids"][:num_rows]
-        ids[:total] = np.fromiter(itertools.chain.from_iterable(
-            r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens)), dtype=np.int64, count=total)
+        if drafts:  # a request's drafts follow its own tokens
+            ids[:total] = np.fromiter(itertools.chain.from_iterable(
+                r.tokens(int(s), r.num_tokens) + drafts[r.request_id] if r.request_id in drafts
+                else r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens)), dtype=np.int64, count=total)
+        else:
+            ids[:total] = np.fromiter(itertools.chain.from_iterable(
+                r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens)), dtype=np.int64, count=total)
         positions = b["positions"][:num_rows]
         np.subtract(np.arange(total), np.repeat(qsl[:n] - starts, q_lens), out=positions[:total])
         seq_lens = b["seq_lens"][:rows]
@@ -282,11 +361,11 @@ class ModelRunner:
         slots = b["slot_mapping"][:num_rows]
         seq_of_token = np.repeat(np.arange(n), q_lens)
         slots[:total] = block_tables[seq_of_token, positions[:total] // bs].astype(np.int64) * bs + positions[:total] % bs
-        if num_rows > total:  # graph padding rows: one token each
-            qsl[n + 1:] = total + np.arange(1, rows - n + 1)
+        if num_rows > total:  # graph padding sequences: q tokens each
+            qsl[n + 1:] = total + np.arange(1, rows - n + 1) * q
             ids[total:] = 0
             positions[total:] = 0
-            seq_lens[n:] = 1
+            seq_lens[n:] = q
             slots[total:] = -1
         holes = np.flatnonzero(ids[:total] < 0)  # placeholders: tokens the step in flight samples
         fills = len(holes)
@@ -303,6 +382,16 @@ class ModelRunner:
             ids[holes] = 0
         sample_rows, sample_reqs = b["sample_rows"], []
         ends = starts + q_lens
+        if drafts:  # request i samples its last 1 + k rows: one per draft to verify, and one more
+            row_counts = []
+            for i, r in enumerate(reqs):
+                if ends[i] >= r.num_tokens:
+                    c = 1 + len(drafts.get(r.request_id, ()))
+                    n_rows = sum(row_counts)
+                    sample_rows[n_rows:n_rows + c] = np.arange(qsl[i + 1] - c, qsl[i + 1])
+                    sample_reqs.append(r)
+                    row_counts.append(c)
+            return buf, BatchLayout(qsl, seq_lens, block_tables, slots), sample_reqs, fills, row_counts
         for i, r in enumerate(reqs):
             if ends[i] >= r.num_tokens:  # the step reaches the request's last known token: sample
                 row = qsl[i + 1] - 1
@@ -310,7 +399,7 @@ class ModelRunner:
                     sample_rows[len(sample_reqs)] = row
                     sample_reqs.append(req)
         layout = BatchLayout(qsl, seq_lens, block_tables, slots)
-        return buf, layout, sample_reqs, fills
+        return buf, layout, sample_reqs, fills, None
 
 
 class StepHandle:
@@ -324,6 +413,8 @@ class StepHandle:
         self.logprobs: tuple | None = None  # (requests, tensors of _logprob_tensors)
         self.prompt_logprobs: tuple | None = None  # (spans, tensors)
         self.errors: dict[str, RequestFailure] = {}  # requests whose sampling failed (known at launch)
+        self.verified: tuple | None = None  # (VerifiedTokens, counts) when the step verified drafts
+        self.logprob_rows: list[int] | None = None  # with drafts: rows of logprobs per request of self.logprobs
         self.event: torch.cuda.Event | None = None
         self._host: dict[str, Any] = {}
         self._result: ModelRunnerOutput | None = None
@@ -340,10 +431,21 @@ class StepHandle:
         self.tokens, self.sample_reqs = tokens, reqs
         self._sampled = tokens if sampled is None else sampled
 
+    def set_verified(self, verified: VerifiedTokens, reqs: list, counts: list[int]) -> None:
+        """A step that verified drafts: each request's emitted tokens (its last one is also what a
+        following step would read on the device)."""
+        last = verified.tokens.gather(1, (verified.num_emitted - 1)[:, None]).squeeze(1)
+        self.tokens, self.sample_reqs, self._sampled = last.clamp_min(0), reqs, None
+        self.verified = (verified, counts)
+
     def finish(self) -> None:
         """Queue the copies of the results to the host (pinned memory on CUDA) and mark their end."""
         cuda = self.device.type == "cuda"
-        if self.tokens is not None:
+        if self.verified is not None:
+            v = self.verified[0]
+            self._host["verified"] = {name: d2h(getattr(v, name)) for name in
+                                      ("tokens", "num_emitted", "accepted_by_position")}
+        elif self.tokens is not None:
             dst = self.buf.tensors["sampled"][:len(self.sample_reqs)]
             dst.copy_(self._sampled, non_blocking=cuda)
             self._host["tokens"] = dst
@@ -362,14 +464,24 @@ class StepHandle:
         if self.event is not None:
             self.event.synchronize()
         res = ModelRunnerOutput()
-        if self.tokens is not None:
-            res.sampled_token_ids = dict(zip((r.request_id for r in self.sample_reqs), self._host["tokens"].tolist()))
+        if self.verified is not None:
+            v = self._host["verified"]
+            ids = (r.request_id for r in self.sample_reqs)
+            res.sampled_token_ids = {rid: row[:n] for rid, row, n in
+                                     zip(ids, v["tokens"].tolist(), v["num_emitted"].tolist())}
+        elif self.tokens is not None:
+            res.sampled_token_ids = {r.request_id: [t] for r, t in zip(self.sample_reqs, self._host["tokens"].tolist())}
         if self.logprobs is not None:
-            reqs = self.logprobs[0]
-            for req, entry in zip(reqs, _logprob_entries(self._host["logprobs"])):
+            reqs, entries = self.logprobs[0], _logprob_entries(self._host["logprobs"])
+            counts = self.logprob_rows or [1] * len(reqs)
+            start = 0
+            for req, c in zip(reqs, counts):
                 n = req.sampling_params.logprobs
-                entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
-                res.logprobs[req.request_id] = entry
+                mine = entries[start:start + min(c, len(res.sampled_token_ids.get(req.request_id, ())))]
+                start += c
+                for entry in mine:
+                    entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
+                res.logprobs[req.request_id] = mine
         if self.prompt_logprobs is not None:
             spans = self.prompt_logprobs[0]
             entries = _logprob_entries(self._host["prompt_logprobs"])

@@ -27,6 +27,7 @@ class SeqState:
     sent_text: int = 0
     sent_logprobs: int = 0
     reported_finish: bool = False
+    num_detokenized: int = 0  # output tokens handed to the detokenizer
 
 
 @dataclass
@@ -103,14 +104,16 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            if seq.logprobs is not None and req.request_id in runner_out.logprobs:
-                seq.logprobs.append(self._logprob_dict(runner_out.logprobs[req.request_id]))
+            if seq.logprobs is not None:
+                seq.logprobs.extend(self._logprob_dict(e) for e in runner_out.logprobs.get(req.request_id, ()))
             try:
                 self._update_text(seq, finish)
             except Exception as exc:
                 if is_device_error(exc):
                     raise
                 fail(req.request_id, RequestFailure.from_exception(exc, "detokenization"))
+            if seq.logprobs is not None:  # one entry per token kept (a stop may have cut the step's tokens)
+                del seq.logprobs[len(req.output_token_ids):]
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
@@ -123,35 +126,49 @@ class OutputProcessor:
         return outputs
 
     def _update_text(self, seq: SeqState, finish: Any) -> None:
+        """Detokenize the step's new tokens; with stop strings, one token at a time, so that a stop
+        string found in a step of several tokens cuts the token list right after the one completing it."""
         req = seq.request
         if seq.detokenizer is None:
             return
-        delta = seq.detokenizer.add(req.output_token_ids[-1:])
-        if req.finished:
-            delta += seq.detokenizer.flush()
-        before = len(seq.text)
-        seq.text += delta
-        stops = seq.parent.stop
-        if not stops or not delta:
+        new = req.output_token_ids[seq.num_detokenized:]
+        if not seq.parent.stop:
+            seq.num_detokenized += len(new)
+            seq.text += seq.detokenizer.add(new) + (seq.detokenizer.flush() if req.finished else "")
             return
+        for token in new:
+            seq.num_detokenized += 1
+            last = seq.num_detokenized == len(req.output_token_ids)
+            before = len(seq.text)
+            seq.text += seq.detokenizer.add([token]) + (seq.detokenizer.flush() if last and req.finished else "")
+            if len(seq.text) > before and self._check_stop_strings(seq, before, finish):
+                del req.output_token_ids[seq.num_detokenized:]  # tokens after the stop string are dropped
+                return
+
+    @staticmethod
+    def _check_stop_strings(seq: SeqState, before: int, finish: Any) -> bool:
+        """Whether a stop string ends in the text added after ``before``; then cut the text there and
+        finish the sequence."""
+        req, stops = seq.request, seq.parent.stop
         # search only where a stop string could newly end: the new text and what could precede it
-        longest = max(len(s) for s in stops)
-        start = max(0, before - longest + 1)
+        start = max(0, before - max(len(s) for s in stops) + 1)
         hit = None
         for s in stops:
             i = seq.text.find(s, start)
             if i != -1 and (hit is None or i < hit[0]):
                 hit = (i, s)
-        if hit is not None:
-            i, s = hit
-            keep = req.sampling_params.include_stop_str_in_output
-            seq.text = seq.text[:i + len(s) if keep else i]
-            if not req.finished:
-                finish(req.request_id, s)
-            else:  # it finished this step for another reason; the stop string still wins
-                req.stop_reason = s
-                from kvforge.request import RequestStatus
-                req.status = RequestStatus.FINISHED_STOPPED
+        if hit is None:
+            return False
+        i, s = hit
+        keep = req.sampling_params.include_stop_str_in_output
+        seq.text = seq.text[:i + len(s) if keep else i]
+        if not req.finished:
+            finish(req.request_id, s)
+        else:  # it finished this step for another reason; the stop string still wins
+            from kvforge.request import RequestStatus
+            req.stop_reason = s
+            req.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     def _logprob_dict(self, e: TokenLogprobs) -> dict[int, Logprob]:
         def dec(t: int) -> str | None:

@@ -35,7 +35,8 @@ class Request:
 
     NOTE: ``num_computed_tokens`` counts tokens whose K/V are in the cache; the tokens still to run
     are ``all_token_ids[num_computed_tokens:]`` (the whole prompt at first, one token per decode step,
-    everything again after a preemption by recompute).
+    everything again after a preemption by recompute). Under speculative decoding a decode step also
+    runs ``draft_token_ids``, which are never part of the request's tokens (see docs/speculative.md).
     """
 
     request_id: str
@@ -59,9 +60,13 @@ class Request:
     forks: list["Request"] = field(default_factory=list)
     external_tokens: bool = False  # beam search: the driver appends tokens, not the scheduler
     fork_of: "Request | None" = None
-    # async scheduling: 1 while a launched step samples this request's next token; that token is
-    # then PLACEHOLDER at the end of output_token_ids (the runner reads it from the device)
+    # async scheduling: how many tokens a launched step samples for this request that the host has
+    # not seen yet; each is PLACEHOLDER at the end of output_token_ids (the runner reads them from the device)
     num_placeholders: int = 0
+    # speculative decoding: the tokens a drafter proposed for the next step to verify (never hashed,
+    # never counted in num_tokens); the scheduler may cut them to fit its budget
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # [len(draft_token_ids), vocab] device tensor q of the drafts, or None (one-hot)
     error: RequestFailure | None = None  # set with status FINISHED_ERROR
 
     @property
@@ -98,13 +103,28 @@ class Request:
         self.output_token_ids.append(PLACEHOLDER)
         self.num_placeholders = 1
 
-    def resolve_placeholder(self, token: int) -> None:
-        """The step's token arrived: it replaces the placeholder."""
+    def clear_drafts(self) -> None:
+        self.draft_token_ids, self.draft_probs = [], None
+
+    def drop_placeholders(self) -> None:
+        """The step in flight will never be applied (the request ended)."""
         if self.num_placeholders:
-            self.output_token_ids[-1] = token
+            del self.output_token_ids[-self.num_placeholders:]
             self.num_placeholders = 0
-        else:
-            self.output_token_ids.append(token)
+
+    def apply_tokens(self, tokens: list[int]) -> int:
+        """Append one step's tokens in order, the first ones replacing placeholders, and stop at the
+        first stop condition: the tokens after it are dropped. Returns how many were kept."""
+        for i, token in enumerate(tokens):
+            if self.num_placeholders:
+                self.output_token_ids[-self.num_placeholders] = token
+                self.num_placeholders -= 1
+            else:
+                self.output_token_ids.append(token)
+            if self.check_stop():
+                self.drop_placeholders()
+                return i + 1
+        return len(tokens)
 
     def check_stop(self) -> bool:
         """After a token was appended: set the finished status if a stop condition holds."""

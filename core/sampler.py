@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
 from kvforge.request import Request
+
+if TYPE_CHECKING:
+    from kvforge.rejection_sampler import TargetDistribution
 
 #: the token a sampler returns for a row where no token can be sampled: every logit is -inf (the
 #: request's masks exclude the whole vocabulary) or one is NaN. The engine fails that request (a 400).
@@ -53,5 +56,36 @@ class Sampler(ABC):
         """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64 on the same device;
         :data:`NO_TOKEN` for a row with nothing to sample (no finite logit, or a NaN)."""
 
+    def target(self, logits: torch.Tensor, state: Any) -> "TargetDistribution":
+        """The distribution :meth:`sample` would draw from at each row, for speculative decoding's
+        rejection sampler (``kvforge.rejection_sampler``): greedy tokens, probabilities after every
+        transformation, rows with nothing to sample, and the seeded rows' generators. Rows may be
+        :class:`DraftRow` views. A sampler without it cannot be used with a drafter."""
+        raise NotImplementedError(f"sampler {self.name!r} does not implement target(), which speculative "
+                                  "decoding needs")
+
     def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional: a no-op by default
         """Forget per-request state (random generators...) of requests that ended."""
+
+
+class DraftRow:
+    """A request as row j of its draft verification sees it: the first j drafts count as generated
+    (penalties, bad-word prefixes, ``min_tokens`` and logits processors see them in
+    ``output_token_ids``; the grammar bitmask is the one after them). Everything else is the request's.
+    """
+
+    def __init__(self, request: Request, draft_prefix: list[int]):
+        self.request = request
+        self.draft_prefix = draft_prefix
+        self.output_token_ids = request.output_token_ids + draft_prefix
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens + len(self.draft_prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.request, name)

@@ -1,7 +1,8 @@
 """The scheduler contract: which requests run in the next step, and how many tokens each.
 
-One token budget per step (``max_num_batched_tokens``) covers prompt chunks and decode tokens
-alike; there are no separate prefill and decode phases. The base class keeps the queues and does
+One token budget per step (``max_num_batched_tokens``) covers prompt chunks, decode tokens and
+draft tokens alike; there are no separate prefill and decode phases. A step's result for a request
+is a list of tokens (more than one when it verified drafts: docs/speculative.md). The base class keeps the queues and does
 the bookkeeping shared by every policy (``add``, ``abort``, ``update``); a policy implements
 ``schedule``.
 """
@@ -29,6 +30,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block)
     preempted: list[Request] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)  # ended since the last step
+    # speculative decoding: the drafts this step verifies, per request (counted in num_scheduled_tokens)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -52,11 +55,12 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """What one forward produced: one sampled token per request whose step completed its tokens,
-    and log-probabilities where the request asked for them."""
+    """What one forward produced: the new tokens of each request whose step completed its tokens
+    (one, or the accepted drafts and one more when it verified drafts), and their log-probabilities
+    (one entry per token) where the request asked for them."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request -> (position of the first entry, one entry per prompt token predicted in this step)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
@@ -110,9 +114,8 @@ class Scheduler(ABC):
             if req is None or req.finished:
                 continue
             self._leave_queues(req)
-            if req.num_placeholders:  # the token of its step in flight will never be applied
-                req.output_token_ids.pop()
-                req.num_placeholders = 0
+            req.drop_placeholders()  # the tokens of its step in flight will never be applied
+            req.clear_drafts()
             req.status = status
             req.stop_reason = stop_reason
             self._finish(req)
@@ -136,6 +139,7 @@ class Scheduler(ABC):
         """Free the request's blocks and put it back at the head of the queue (recompute later)."""
         self.kv_cache.free(req.request_id)
         req.num_computed_tokens = 0
+        req.clear_drafts()
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -147,7 +151,8 @@ class Scheduler(ABC):
         known (async scheduling; the engine calls this after it has applied the previous step).
 
         A request whose placeholder is its last token (``max_tokens``) has nothing left to compute:
-        it is marked fully computed so that no later step schedules it before it finishes.
+        it is marked fully computed so that no later step schedules it before it finishes. Drafts
+        count as computed too; :meth:`update` takes back the rejected ones.
         """
         for req in output.scheduled:
             if req.finished:
@@ -160,25 +165,32 @@ class Scheduler(ABC):
                 req.num_computed_tokens = req.num_tokens
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Apply a finished step's sampled tokens (replacing the placeholders :meth:`advance` gave);
-        returns the requests that got a token. Finished requests leave the queues and free their
-        blocks here. A request preempted after its step was launched still takes its token.
+        """Apply a finished step's tokens (replacing the placeholders :meth:`advance` gave), each in
+        turn up to the first stop condition; returns the requests that got tokens. Rejected drafts
+        are taken back from ``num_computed_tokens`` and the blocks that only they used are freed.
+        Finished requests leave the queues and free their blocks here. A request preempted after its
+        step was launched still takes its tokens.
         """
         sampled = runner_output.sampled_token_ids
         updated = []
         for req in output.scheduled:
             if req.finished:  # aborted while the step ran
                 continue
-            token = sampled.get(req.request_id)
-            if token is None or req.external_tokens:
+            tokens = sampled.get(req.request_id)
+            if tokens is None or req.external_tokens:
                 continue
-            req.resolve_placeholder(token)
+            drafts = output.draft_token_ids.get(req.request_id)
+            if drafts and req.status != RequestStatus.PREEMPTED:  # (preemption already reset it to 0)
+                req.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
+            req.apply_tokens(tokens)
             updated.append(req)
             if req.forks:
                 updated.extend(self._fork(req, sampled))
-            if req.check_stop():
+            if req.finished:
                 self._leave_queues(req)
                 self._finish(req)
+            elif drafts and req.status == RequestStatus.RUNNING:
+                self.kv_cache.free_tail(req.request_id, req.num_tokens)
         return updated
 
     def _leave_queues(self, req: Request) -> None:
@@ -201,7 +213,7 @@ class Scheduler(ABC):
             child.num_computed_tokens = req.num_computed_tokens
             child.num_cached_tokens = req.num_cached_tokens
             child.status = RequestStatus.RUNNING
-            child.output_token_ids.append(sampled[child.request_id])
+            child.output_token_ids.extend(sampled[child.request_id])
             self.running.append(child)
             started.append(child)
             if child.check_stop():
@@ -209,6 +221,22 @@ class Scheduler(ABC):
                 self._finish(child)
         req.forks = []
         return started
+
+    # -- helpers for policies ----------------------------------------------------------------------
+    @staticmethod
+    def tokens_wanted(req: Request) -> int:
+        """Tokens ``req`` would run in the next step: what it has left to compute, plus its drafts
+        when that is just its last token (a decode step)."""
+        left = req.num_tokens - req.num_computed_tokens
+        return left + len(req.draft_token_ids) if left == 1 else left
+
+    @staticmethod
+    def record_drafts(out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """``req`` was scheduled for ``num_new`` tokens: note the drafts among them (the budget may
+        have cut some; those are dropped)."""
+        extra = num_new - (req.num_tokens - req.num_computed_tokens)
+        if extra > 0:
+            out.draft_token_ids[req.request_id] = req.draft_token_ids[:extra]
 
     def take_finished_ids(self) -> set[str]:
         ids, self._finished_ids = self._finished_ids, set()

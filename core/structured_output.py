@@ -46,6 +46,7 @@ class GrammarState:
         self._expire = expire  # called once the deadline passed with the compilation still running
         self.deadline = deadline  # time.monotonic() by which the compilation must be done
         self._matcher: Any = None
+        self.num_accepted = 0  # output tokens the matcher has accepted (the engine advances it)
 
     @property
     def ready(self) -> bool:
@@ -75,6 +76,28 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar rejects it."""
         return self.matcher.accept_token(token)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (drafts) the grammar accepts in a row from here; the state is left
+        unchanged."""
+        m, n = self.matcher, 0
+        for t in tokens:
+            if m.is_terminated() or not m.accept_token(t):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
+    def fill_bitmask(self, bitmask: Any, row: int, prefix: Sequence[int] = ()) -> None:
+        """Row ``row`` of ``bitmask``: the tokens allowed next, after ``prefix`` (drafts the grammar
+        accepts, see :meth:`valid_prefix`); the state is left unchanged."""
+        m = self.matcher
+        for t in prefix:
+            m.accept_token(t)
+        m.fill_next_token_bitmask(bitmask, row)
+        if prefix:
+            m.rollback(len(prefix))
 
     @property
     def terminated(self) -> bool:
@@ -215,8 +238,8 @@ def grammar_bitmask_applier(requests: Sequence[Any], vocab_size: int, device: to
 
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
-    for j, i in enumerate(rows):
-        requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, j)
+    for j, i in enumerate(rows):  # a DraftRow view: the bitmask after its drafts
+        requests[i].grammar.fill_bitmask(bitmask, j, getattr(requests[i], "draft_prefix", ()))
     bitmask = bitmask.to(device)
 
     def apply(logits: torch.Tensor) -> torch.Tensor:

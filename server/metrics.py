@@ -52,6 +52,23 @@ class _EngineCollector:
         yield by_priority
         yield counter("kvforge:prompt_tokens", "Prompt tokens processed.", s["num_prompt_tokens"])
         yield counter("kvforge:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
+        spec = s.get("spec_decode")
+        if spec is not None:  # speculative decoding is on
+            yield counter("kvforge:spec_decode_num_drafts", "Request-steps that verified drafts.", spec["num_drafts"])
+            yield counter("kvforge:spec_decode_num_draft_tokens", "Draft tokens verified.", spec["num_draft_tokens"])
+            yield counter("kvforge:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          spec["num_accepted_tokens"])
+            by_pos = CounterMetricFamily("kvforge:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft.",
+                                         labels=["model_name", "position"])
+            for pos, n in enumerate(spec["accepted_by_position"]):
+                by_pos.add_metric([self.model, str(pos)], n)
+            yield by_pos
+            yield gauge("kvforge:spec_decode_acceptance_rate", "Accepted / verified draft tokens since start.",
+                        spec["acceptance_rate"])
+            yield gauge("kvforge:spec_decode_mean_accepted_length",
+                        "Tokens per request-step that verified drafts (1 + accepted drafts), since start.",
+                        spec["mean_accepted_length"])
 
 
 class ServerMetrics:

@@ -170,6 +170,19 @@ class PagedKVCacheManager(KVCacheManager):
                 if block.hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        table = self.tables.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        for block_id in reversed(table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:  # never hashed: only unknown (draft) positions were in it
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+        del table[keep:]
+
     def fork(self, parent_id: str, child_id: str) -> None:
         if parent_id not in self.tables:
             raise ValueError(f"cannot fork unknown request {parent_id!r}")

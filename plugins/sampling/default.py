@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvforge.input_buffers import h2d
+from kvforge.rejection_sampler import TargetDistribution
 from kvforge.request import Request
 from kvforge.sampler import NO_TOKEN, Sampler
 
@@ -173,12 +174,7 @@ class DefaultSampler(Sampler):
         sampleable = top > float("-inf")
         if st.all_greedy:
             return torch.where(sampleable, greedy_tokens, NO_TOKEN)
-        logits = logits / st.temperature[:, None]
-        logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if st.min_p is not None:
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < st.min_p[:, None] * top, 0.0)
+        probs = self._probs(logits, st)
         noise = torch.empty_like(probs).exponential_()
         for row, gen in st.seeded:
             noise[row].exponential_(generator=gen)
@@ -186,6 +182,25 @@ class DefaultSampler(Sampler):
         if st.any_greedy:
             tokens = torch.where(st.greedy, greedy_tokens, tokens)
         return torch.where(sampleable, tokens, NO_TOKEN)
+
+    def target(self, logits: torch.Tensor, st: SamplingState) -> TargetDistribution:
+        logits = self.process(logits, st)
+        top, greedy_tokens = logits.max(dim=-1)
+        target = TargetDistribution(greedy_tokens, top > float("-inf"))
+        if not st.all_greedy:
+            target.greedy, target.probs, target.generators = st.greedy, self._probs(logits, st), dict(st.seeded)
+        return target
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
+        """Processed logits -> the distribution sampled rows draw from: temperature, top-k, top-p, min-p."""
+        logits = logits / st.temperature[:, None]
+        logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if st.min_p is not None:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < st.min_p[:, None] * top, 0.0)
+        return probs
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

@@ -1,7 +1,7 @@
 """``fcfs``: first come, first served continuous batching with chunked prefill.
 
 Each step: running requests first, in arrival order (each takes what it still needs: one decode
-token or the next prompt chunk), then waiting requests while the token budget, ``max_num_seqs``
+token and its drafts, or the next prompt chunk), then waiting requests while the token budget, ``max_num_seqs``
 and free blocks allow. When a running request cannot get a block, the newest running request is
 preempted by recompute (its blocks freed, its tokens recomputed later, prefix cache permitting);
 no new request is admitted in a step that preempted.
@@ -35,8 +35,8 @@ class FCFSScheduler(Scheduler):
         self.long_prefill_token_threshold = long_prefill_token_threshold
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if self.long_prefill_token_threshold:
+        n = min(self.tokens_wanted(req), budget)
+        if self.long_prefill_token_threshold and req.num_tokens - req.num_computed_tokens > 1:
             n = min(n, self.long_prefill_token_threshold)
         return n
 
@@ -61,6 +61,10 @@ class FCFSScheduler(Scheduler):
                 i += 1
                 continue
             while not kv.allocate_slots(req, num_new):
+                left = req.num_tokens - req.num_computed_tokens
+                if num_new > left:  # drafts never cost a preemption: drop them first
+                    num_new = left
+                    continue
                 victim = self.pick_victim()
                 self.running.remove(victim)
                 self.preempt(victim)
@@ -70,6 +74,7 @@ class FCFSScheduler(Scheduler):
             else:
                 out.scheduled.append(req)
                 out.num_scheduled_tokens[req.request_id] = num_new
+                self.record_drafts(out, req, num_new)
                 budget -= num_new
                 i += 1
                 continue

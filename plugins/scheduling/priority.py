@@ -207,6 +207,7 @@ class PriorityScheduler(FCFSScheduler):
             return
         self._swap_out[req.request_id] = pairs
         self._swapped_blocks[req.request_id] = len(pairs)
+        req.clear_drafts()
         req.status = RequestStatus.SWAPPED
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,1 +1,8 @@
-"""Built-in speculative drafters (none yet: the ``Drafter`` contract lives in ``kvforge.drafter``)."""
+"""Built-in speculative drafters (the ``Drafter`` contract lives in ``kvforge.drafter``)."""
+from kvforge.hookspecs import hookimpl
+
+
+@hookimpl
+def register_drafters(register):
+    register("ngram", "kvforge.plugins.speculative.ngram:NgramDrafter")
+    register("draft_model", "kvforge.plugins.speculative.draft_model:DraftModelDrafter")

@@ -166,6 +166,27 @@ def test_serve_in_process(tmp_path, rate):
         assert row["seconds"] > 0.02
 
 
+SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}']
+
+
+@pytest.mark.parametrize("command,extra", [
+    ("throughput", WORKLOAD),
+    ("latency", ["--batch-size", "4", "--input-len", str(IN), "--output-len", "16", "--num-iters-warmup", "0",
+                 "--num-iters", "2"]),
+    ("serve", WORKLOAD),
+])
+def test_speculative_config_reaches_every_subcommand_and_its_report(tmp_path, capsys, command, extra):
+    out = tmp_path / "spec.json"
+    assert bench(command, *ENGINE, *SPEC, *extra, "--json", str(out)) == 0
+    row = load_json(out)["rows"][0]
+    spec = row["spec_decode"]
+    assert spec["num_draft_tokens"] > 0 and sum(spec["accepted_by_position"]) == spec["num_accepted_tokens"]
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    if command == "throughput":
+        assert row["output_tokens"] == N * OUT  # exactly the tokens asked for, drafts or not
+    assert "speculative decoding:" in capsys.readouterr().out
+
+
 def test_cli_entry_point_subprocess(tmp_path):
     out = tmp_path / "cli.json"
     env = os.environ | {"OMP_NUM_THREADS": "1"}

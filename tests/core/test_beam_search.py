@@ -43,7 +43,7 @@ def test_beam_search_validation(tiny_llm):
 def test_best_beam_matches_transformers(default_model_path, check_no_blocks):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", kv_cache_memory_gib=0.5)
     tok = llm.get_tokenizer()
     prompts = ["The capital of France is", "def add(a, b):", "My favourite food is"]
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=12))

@@ -64,7 +64,7 @@ def _check(llm, refs, check_no_blocks):
          plugins={"priority": {"preemption_mode": "swap"}}, swap_space=0.05),
 ], ids=["default", "no-prefix-cache", "chunked-32", "tiny-pool-preempt", "priority-recompute", "priority-swap"])
 def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args):
-    llm = LLM(device="cpu", **engine_args)
+    llm = LLM(device="cpu", kv_cache_memory_gib=0.5, **engine_args)  # (not the 4 GiB CPU default: CI memory)
     _check(llm, hf_reference, check_no_blocks)
     stats = llm.llm_engine.get_stats()
     if "num_gpu_blocks_override" in engine_args:
@@ -85,7 +85,7 @@ def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args)
 def test_shared_64_token_prefix_hits_cache(hf_reference, default_model_path, check_no_blocks):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", kv_cache_memory_gib=0.5)
     tok = llm.get_tokenizer()
     first = tok.encode(PROMPTS[7])
     assert len(first) >= 64
@@ -108,7 +108,7 @@ def test_shared_64_token_prefix_hits_cache(hf_reference, default_model_path, che
 def test_logprobs_are_log_softmax_of_transformers_logits(default_model_path):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", kv_cache_memory_gib=0.5)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=2),
                        use_tqdm=False)[0]
     d, name = os.path.split(default_model_path)

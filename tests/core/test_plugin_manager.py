@@ -141,6 +141,23 @@ def test_third_party_plugin_selected_by_config_file(dummy_plugin_installed, tmp_
     assert type(llm2.llm_engine.scheduler).__name__ == "FCFSScheduler"
 
 
+def test_third_party_drafter_selected_by_config_file(dummy_plugin_installed, tmp_path, tiny_llm):
+    from kvforge_dummy_plugin.components import RepeatDrafter
+
+    cfg = tmp_path / "kvforge.toml"
+    cfg.write_text('model = "dummy:tiny"\ndevice = "cpu"\nnum_gpu_blocks_override = 64\n'
+                   '[speculative]\nmethod = "dummy_repeat"\nnum_speculative_tokens = 3\npolicy = "fixed"\ntimes = 2\n')
+    llm = LLM(config=str(cfg))
+    assert type(llm.llm_engine.drafter).__name__ == "RepeatDrafter" and llm.llm_engine.drafter.times == 2
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["drafters are loaded by name", "a third-party drafter"]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    assert out == [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, p, use_tqdm=False)]
+    stats = llm.llm_engine.get_stats()["spec_decode"]
+    assert RepeatDrafter.propose_calls > 0 and stats["num_draft_tokens"] > 0
+    assert stats["accepted_by_position"][2] == 0  # times = 2: never a third draft
+
+
 def test_config_errors_list_what_is_valid(dummy_plugin_installed, tmp_path):
     bad_name = tmp_path / "a.yaml"
     bad_name.write_text("model: dummy:tiny\ndevice: cpu\nplugins:\n  nosuch: {x: 1}\n")
@@ -179,5 +196,5 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     report = {p["name"]: p for p in json.loads(out.stdout)}
     assert report["dummy"]["version"] == "0.0.1"
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
-                                            "logits_processor": ["fault"]}
+                                            "logits_processor": ["fault"], "drafter": ["dummy_repeat"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]

@@ -24,7 +24,7 @@ def req(rid, n, max_tokens=4):
 
 def fake_step(s):
     out = s.schedule()
-    sampled = {r.request_id: 7 for r in out.scheduled
+    sampled = {r.request_id: [7] for r in out.scheduled
                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens}
     s.advance(out)
     s.update(out, ModelRunnerOutput(sampled))
@@ -69,14 +69,14 @@ def test_async_schedule_before_the_token_is_known():
     assert a.output_token_ids == [PLACEHOLDER] and a.num_computed_tokens == 5
     out2 = s.schedule()
     assert out2.num_scheduled_tokens == {"a": 1}  # the placeholder's decode
-    assert s.update(out1, ModelRunnerOutput({"a": 7})) == [a]
+    assert s.update(out1, ModelRunnerOutput({"a": [7]})) == [a]
     s.advance(out2)
     assert a.output_token_ids == [7, PLACEHOLDER]
     out3 = s.schedule()
-    s.update(out2, ModelRunnerOutput({"a": 8}))
+    s.update(out2, ModelRunnerOutput({"a": [8]}))
     s.advance(out3)  # its token will be the third and last
     assert s.schedule().is_empty
-    s.update(out3, ModelRunnerOutput({"a": 9}))
+    s.update(out3, ModelRunnerOutput({"a": [9]}))
     assert a.output_token_ids == [7, 8, 9] and a.finished and s.kv_cache.stats().num_used_blocks == 0
 
 

@@ -67,7 +67,7 @@ def step(s):
     # a request preempted to make room for a better one may be re-admitted at once, never swapped in
     assert not {r.request_id for r in out.scheduled} & {r.request_id for r in s.swapped}
     s.cache.run(out)
-    sampled = {r.request_id: 7 for r in out.scheduled
+    sampled = {r.request_id: [7] for r in out.scheduled
                if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= r.num_tokens}
     s.advance(out)
     s.update(out, ModelRunnerOutput(sampled))

@@ -1,4 +1,4 @@
-"""A third-party plugin: registers an attention backend and a scheduler through the entry point."""
+"""A third-party plugin: registers an attention backend, a scheduler, a logits processor and a drafter."""
 import kvforge
 
 
@@ -15,3 +15,8 @@ def register_schedulers(register):
 @kvforge.hookimpl
 def register_logits_processors(register):
     register("fault", "kvforge_dummy_plugin.components:FaultInjector")
+
+
+@kvforge.hookimpl
+def register_drafters(register):
+    register("dummy_repeat", "kvforge_dummy_plugin.components:RepeatDrafter")

@@ -1,6 +1,7 @@
 """Components that do what the built-ins do and count their calls, so tests can see them used."""
 from dataclasses import dataclass
 
+from kvforge.drafter import DraftBatch, Drafter, DraftProposal
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
 from kvforge.sampler import LogitsProcessor
@@ -51,3 +52,29 @@ class FaultInjector(LogitsProcessor):
             if "FAULT:request" in text:
                 raise ValueError("injected by kvforge_dummy_plugin: this request is refused")
         return logits
+
+
+@dataclass
+class RepeatOptions:
+    times: int = 8  # the most drafts per request
+
+    def __post_init__(self):
+        if not isinstance(self.times, int) or self.times < 1:
+            raise ValueError(f"times must be an integer >= 1, got {self.times!r}")
+
+
+class RepeatDrafter(Drafter):
+    """Drafts the request's last token again (random tiny models repeat themselves a lot)."""
+
+    name = "dummy_repeat"
+    Options = RepeatOptions
+    propose_calls = 0
+
+    def __init__(self, *, times: int = 8, **kwargs):
+        super().__init__(**kwargs)
+        self.times = times
+
+    def propose(self, batch: DraftBatch) -> DraftProposal:
+        type(self).propose_calls += 1
+        return DraftProposal([[r.all_token_ids[-1]] * min(k, self.times)
+                              for r, k in zip(batch.requests, batch.num_draft_tokens)])

@@ -1,0 +1,111 @@
+"""Verification of draft tokens that keeps the target model's output distribution exactly.
+
+For a request with drafts d_1..d_k the target forward gives k + 1 rows of distributions p_1..p_{k+1}
+(row j predicts the token after d_1..d_{j-1}). Draft d_j is accepted with probability
+min(1, p_j(d_j) / q_j(d_j)); at the first rejection the token is drawn from the residual
+max(p_j - q_j, 0), normalised; when every draft is accepted a bonus token is drawn from p_{k+1}.
+Each emitted token is then distributed as p (Leviathan et al., 2023; Chen et al., 2023). A drafter
+without probabilities is q = one-hot at its draft. Greedy rows accept a draft iff it is the argmax
+and emit the argmax at the first mismatch, so greedy output is token-for-token that of plain decoding.
+
+Everything is vectorised over the batch on the device; a request with a seed draws from its own
+generator (the same drafts give the same tokens on every run).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.sampler import NO_TOKEN
+
+
+@dataclass
+class TargetDistribution:
+    """What the target wants at each sampled row, as the sampler computed it (``Sampler.target``).
+
+    ``probs`` rows of greedy rows are not read; ``probs`` is None when every row is greedy.
+    """
+
+    greedy_tokens: torch.Tensor  # [rows] int64: argmax of the processed logits
+    sampleable: torch.Tensor  # [rows] bool: False where every logit is -inf or one is NaN
+    greedy: torch.Tensor | None = None  # [rows] bool; None: every row greedy
+    probs: torch.Tensor | None = None  # [rows, vocab] float32, the distribution to sample from
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> a seeded request's generator
+
+
+@dataclass
+class VerifiedTokens:
+    """The result for a batch of ``B`` requests with at most ``K`` drafts each."""
+
+    tokens: torch.Tensor  # [B, K + 1] int64: the emitted tokens first, then NO_TOKEN padding
+    num_emitted: torch.Tensor  # [B] int64: accepted drafts + 1 (the last is NO_TOKEN if nothing could be sampled)
+    num_accepted: torch.Tensor  # [B] int64
+    accepted_by_position: torch.Tensor  # [K] int64: requests whose draft at position j was accepted
+
+
+def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+                     first_row: torch.Tensor, draft_probs: torch.Tensor | None = None) -> VerifiedTokens:
+    """Verify the drafts of ``B`` requests.
+
+    draft_tokens: [B, K] int64 (padding past a request's ``num_drafts`` is ignored).
+    num_drafts: [B] int64, k_b in 0..K. first_row: [B] int64, the row of the request's first
+    distribution; its rows are ``first_row[b] .. first_row[b] + k_b``.
+    draft_probs: [B, K, vocab] float32, q of each draft position; None means one-hot at the draft.
+    Seeded requests are those whose first row has a generator in ``target.generators``.
+    """
+    dev = draft_tokens.device
+    B, K = draft_tokens.shape
+    pos = torch.arange(K, device=dev)
+    valid = pos[None, :] < num_drafts[:, None]  # [B, K]
+    rows = first_row[:, None] + pos[None, :]  # [B, K] the row that judges draft j
+    rows = torch.where(valid, rows, first_row[:, None])
+    drafts = torch.where(valid, draft_tokens, 0)
+    greedy_match = target.greedy_tokens[rows] == drafts  # [B, K]
+    if target.probs is None:
+        accept = greedy_match
+    else:
+        p = target.probs[rows, drafts]  # [B, K]
+        q = (draft_probs.gather(2, drafts[:, :, None]).squeeze(2) if draft_probs is not None
+             else torch.ones_like(p))
+        u = torch.rand(B, K, device=dev)
+        seeded = _seeded(target, first_row)
+        for b, gen in seeded:
+            u[b] = torch.rand(K, device=dev, generator=gen)
+        # u < p / q, written without dividing: q > 0 wherever the draft was drawn from q
+        accept = torch.where(target.greedy[rows], greedy_match, u * q < p)
+    accept &= valid
+    run = accept.long().cumprod(dim=1)  # 1 while every draft so far was accepted
+    num_accepted = run.sum(dim=1)
+    last = first_row + num_accepted  # the row the final token comes from
+    final = target.greedy_tokens[last]
+    if target.probs is not None:
+        dist = target.probs[last]  # [B, vocab]
+        rejected = num_accepted < num_drafts
+        at = num_accepted.clamp(max=max(K - 1, 0))
+        if K:
+            if draft_probs is not None:
+                q_at = draft_probs[torch.arange(B, device=dev), at]
+                residual = (dist - q_at).clamp_min(0)
+            else:
+                residual = dist.scatter(1, drafts.gather(1, at[:, None]), 0.0)
+            # NOTE: an all-zero residual (p == q) cannot be reached by a rejection; keep p there
+            residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, dist)
+            dist = torch.where(rejected[:, None], residual, dist)
+        noise = torch.empty_like(dist).exponential_()
+        for b, gen in _seeded(target, first_row):
+            noise[b].exponential_(generator=gen)
+        sampled = (dist / noise).argmax(dim=1)
+        final = torch.where(target.greedy[last], final, sampled)
+    final = torch.where(target.sampleable[last], final, NO_TOKEN)
+    tokens = torch.full((B, K + 1), NO_TOKEN, dtype=torch.long, device=dev)
+    tokens[:, :K] = torch.where(run.bool(), drafts, NO_TOKEN)
+    tokens.scatter_(1, num_accepted[:, None], final[:, None])
+    return VerifiedTokens(tokens, num_accepted + 1, num_accepted, run.sum(dim=0))
+
+
+def _seeded(target: TargetDistribution, first_row: torch.Tensor) -> list[tuple[int, torch.Generator]]:
+    if not target.generators:
+        return []
+    rows = first_row.tolist()
+    return [(b, target.generators[r]) for b, r in enumerate(rows) if r in target.generators]

@@ -1,0 +1,179 @@
+"""Speculative decoding in the engine: its configuration, the per-step policy and the counters.
+
+See docs/speculative.md for the design; the drafter contract is in ``kvforge.drafter`` and the
+verification in ``kvforge.rejection_sampler``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+#: keys of ``speculative_config`` that the engine reads; the rest go to the drafter's options
+ENGINE_KEYS = ("method", "num_speculative_tokens", "policy", "knee_tokens")
+POLICIES = ("auto", "fixed")
+
+
+@dataclass
+class SpeculativeConfig:
+    """``speculative_config`` (vLLM's keys): ``method`` names a registered drafter,
+    ``num_speculative_tokens`` is k. ``policy``: ``auto`` (default) lowers k or skips speculation
+    per step when it would not pay (docs/speculative.md#the-policy); ``fixed`` always asks for k.
+    ``knee_tokens``: the auto policy's estimate of the query tokens per step up to which a step costs
+    about the same (bandwidth-bound); default 256 on CUDA, 16 on the CPU. Every other key is an
+    option of the drafter (e.g. ngram's ``prompt_lookup_min`` / ``prompt_lookup_max``, draft_model's
+    ``model``)."""
+
+    method: str
+    num_speculative_tokens: int
+    policy: str = "auto"
+    knee_tokens: int | None = None
+    drafter_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SpeculativeConfig":
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a table/dict, got {type(d).__name__}")
+        if not isinstance(d.get("method"), str) or not d["method"]:
+            raise ValueError("speculative_config: 'method' (the drafter's name, e.g. 'ngram') is required")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        policy = d.get("policy", "auto")
+        if policy not in POLICIES:
+            raise ValueError(f"speculative_config: policy must be one of {POLICIES}, got {policy!r}")
+        knee = d.get("knee_tokens")
+        if knee is not None and (not isinstance(knee, int) or isinstance(knee, bool) or knee < 1):
+            raise ValueError(f"speculative_config: knee_tokens must be an integer >= 1, got {knee!r}")
+        options = {key: v for key, v in d.items() if key not in ENGINE_KEYS}
+        return cls(d["method"], k, policy, knee, options)
+
+
+class SpeculationPolicy:
+    """How many drafts to ask for in the next step (docs/speculative.md#the-policy).
+
+    ``fixed``: always k. ``auto``, in two layers:
+
+    1. A model. With B decoding requests whose acceptance rates average a, a step with j drafts each
+       yields E(j) = (1 - a^(j+1)) / (1 - a) tokens per request and costs
+       max(B(1 + j), knee) / max(B, knee) of a plain step (bandwidth-bound up to ``knee`` query
+       tokens). The best j in 0..k by E(j) / cost(j), with a 2% margin over a plain step, is the
+       candidate; 0 switches speculation off. Acceptance is tracked per request (an exponential
+       average of the fraction of the drafts it asked for that were accepted: a drafter that proposes
+       nothing counts as rejected) and overall, for requests that have not drafted yet.
+    2. Measurement. The model cannot see what a step really costs on this machine (a step that
+       verifies drafts also gives up async scheduling's overlap, worth little at batch 256 and a lot
+       at batch 64), so the engine reports every step's wall time and tokens (:meth:`record_step`),
+       kept per batch-size bucket (powers of two) and mode (drafting or not) as exponential averages
+       of tokens per second. Once both modes have been measured in a bucket, drafting goes on only
+       if it was measured faster there. Every ``explore_every`` steps of a bucket the other mode runs
+       for ``explore_steps`` steps, so that the measurements follow the workload.
+    """
+
+    def __init__(self, k: int, mode: str = "auto", knee_tokens: int = 256, initial_acceptance: float = 0.5,
+                 smoothing: float = 0.3, explore_every: int = 64, explore_steps: int = 4, min_samples: int = 3):
+        self.k, self.mode, self.knee = k, mode, knee_tokens
+        self.smoothing = smoothing
+        self.initial = self.overall = initial_acceptance
+        self.per_request: dict[str, float] = {}
+        self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
+        self.rates: dict[tuple[int, bool], tuple[float, int]] = {}  # (bucket, drafting) -> (tokens/s, samples)
+        self.steps: dict[int, int] = {}  # bucket -> decisions made
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, batch_size - 1).bit_length()
+
+    def model_choice(self, request_ids: list[str]) -> int:
+        """The cost model's j (layer 1)."""
+        a = sum(self.per_request.get(r, self.overall) for r in request_ids) / len(request_ids)
+        a = min(a, 0.999)
+        B = len(request_ids)
+        best_j, best = 0, 1.0
+        for j in range(1, self.k + 1):
+            gain = (1 - a ** (j + 1)) / (1 - a)
+            cost = max(B * (1 + j), self.knee) / max(B, self.knee)
+            if gain / cost > best * 1.02:  # a margin: never trade a sure step for a noisy estimate
+                best_j, best = j, gain / cost
+        return best_j
+
+    def num_draft_tokens(self, request_ids: list[str]) -> int:
+        if not request_ids:
+            return 0
+        if self.mode == "fixed":
+            return self.k
+        model = self.model_choice(request_ids)
+        if model == 0:
+            # nothing is learned while not drafting: let estimates drift back toward the prior, so a
+            # request whose text turns repetitive gets drafts again
+            for r in request_ids:
+                if r in self.per_request:
+                    self.per_request[r] += 0.02 * (self.initial - self.per_request[r])
+            return 0
+        b = self.bucket(len(request_ids))
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        on, off = self.rates.get((b, True)), self.rates.get((b, False))
+        measured = (on is not None and off is not None and on[1] >= self.min_samples
+                    and off[1] >= self.min_samples)
+        j = 0 if measured and on[0] < off[0] else model  # drafting was measured slower here
+        if n % self.explore_every < self.explore_steps:  # refresh the other mode's measurement
+            j = 0 if j else model
+        return j
+
+    def record_step(self, batch_size: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A decode step's wall time and the tokens it produced (the engine calls it every step)."""
+        if seconds <= 0 or batch_size <= 0:
+            return
+        key = (self.bucket(batch_size), drafting)
+        rate = tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = (rate, 1) if old is None else (0.8 * old[0] + 0.2 * rate, old[1] + 1)
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """``drafted`` draft slots asked for (or verified), of which ``accepted`` were accepted."""
+        if drafted <= 0:
+            return
+        rate = accepted / drafted
+        s = self.smoothing
+        self.per_request[request_id] = (1 - s) * self.per_request.get(request_id, self.overall) + s * rate
+        self.overall = (1 - s / 4) * self.overall + s / 4 * rate
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.per_request.pop(rid, None)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine started (vLLM's definitions)."""
+
+    num_drafts: int = 0  # (request, step) pairs that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position j
+    num_steps: int = 0  # steps that verified drafts
+    num_steps_without: int = 0  # decode steps the policy (or the drafter) left without drafts
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_by_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying step per request: 1 + accepted drafts on average."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_by_position": list(self.accepted_by_position), "num_steps": self.num_steps,
+                "num_steps_without": self.num_steps_without, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length}

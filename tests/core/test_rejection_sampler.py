@@ -1,0 +1,102 @@
+"""The rejection sampler keeps the target distribution exactly (docs/speculative.md#verification)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.rejection_sampler import TargetDistribution, rejection_sample
+from kvforge.sampler import NO_TOKEN
+
+V = 6
+N = 200_000  # draws per case
+#: total-variation bound: with N draws over V tokens the expected TV is about sqrt(V / (2 pi N)) ~ 0.002
+TV_BOUND = 0.01
+P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.00])
+
+
+def _tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=V).float()
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+def _batch(q: torch.Tensor | None, k: int, draft: int | None = None):
+    """N requests with k drafts each drawn from q (or all equal to ``draft``), and p at every row."""
+    torch.manual_seed(0)
+    if q is not None:
+        drafts = torch.multinomial(q, N * k, replacement=True).view(N, k)
+        draft_probs = q.expand(N, k, V).contiguous()
+    else:
+        drafts = torch.full((N, k), draft)
+        draft_probs = None
+    rows = N * (k + 1)
+    target = TargetDistribution(greedy_tokens=torch.zeros(rows, dtype=torch.long),
+                                sampleable=torch.ones(rows, dtype=torch.bool),
+                                greedy=torch.zeros(rows, dtype=torch.bool), probs=P.expand(rows, V).contiguous())
+    first = torch.arange(N) * (k + 1)
+    return target, drafts, torch.full((N,), k), first, draft_probs
+
+
+@pytest.mark.parametrize("name,q", [
+    ("q close to p", torch.tensor([0.25, 0.25, 0.20, 0.10, 0.10, 0.10])),
+    ("q zero where p is not", torch.tensor([0.0, 0.0, 0.5, 0.3, 0.1, 0.1])),
+    ("q far from p", torch.tensor([0.02, 0.02, 0.02, 0.02, 0.02, 0.90])),
+])
+def test_emitted_tokens_follow_the_target_whatever_the_draft_distribution(name, q):
+    target, drafts, nd, first, dp = _batch(q, 2)
+    out = rejection_sample(target, drafts, nd, first, dp)
+    assert (out.num_emitted >= 1).all() and (out.num_emitted <= 3).all()
+    assert _tv(out.tokens[:, 0], P) < TV_BOUND
+    second = out.tokens[out.num_emitted >= 2, 1]
+    assert len(second) > 1000 and _tv(second, P) < 3 * TV_BOUND  # fewer draws here
+    assert not (out.tokens == 5).any()  # p(5) = 0: never emitted, though q proposes it most
+
+
+def test_a_drafter_without_probabilities_is_one_hot():
+    """n-gram drafts: q = one-hot at the draft; the draft is accepted with probability p(draft)."""
+    target, drafts, nd, first, _ = _batch(None, 1, draft=1)
+    out = rejection_sample(target, drafts, nd, first, None)
+    assert _tv(out.tokens[:, 0], P) < TV_BOUND
+    accepted = (out.num_accepted == 1).float().mean().item()
+    assert abs(accepted - P[1].item()) < 0.01
+
+
+def test_greedy_rows_accept_exactly_the_argmax_run():
+    # request 0: drafts [3, 4, 1] against argmax [3, 4, 2, 5]: accepts 2, then emits 2
+    # request 1: drafts [0] against argmax [1, 7]: rejects at once, emits 1
+    # request 2: no drafts, argmax [6]: emits 6
+    greedy = torch.tensor([3, 4, 2, 5, 1, 7, 6])
+    target = TargetDistribution(greedy, torch.ones(7, dtype=torch.bool))
+    drafts = torch.tensor([[3, 4, 1], [0, 0, 0], [0, 0, 0]])
+    out = rejection_sample(target, drafts, torch.tensor([3, 1, 0]), torch.tensor([0, 4, 6]))
+    assert out.num_emitted.tolist() == [3, 1, 1]
+    assert out.tokens[0, :3].tolist() == [3, 4, 2] and out.tokens[1, 0] == 1 and out.tokens[2, 0] == 6
+    assert out.accepted_by_position.tolist() == [1, 1, 0]
+
+
+def test_all_drafts_accepted_gives_a_bonus_token():
+    greedy = torch.tensor([3, 4, 9])
+    out = rejection_sample(TargetDistribution(greedy, torch.ones(3, dtype=torch.bool)), torch.tensor([[3, 4]]),
+                           torch.tensor([2]), torch.tensor([0]))
+    assert out.tokens[0].tolist() == [3, 4, 9] and out.num_accepted.item() == 2
+
+
+def test_a_row_with_nothing_to_sample_ends_in_no_token():
+    greedy = torch.tensor([3, 4, 9])
+    sampleable = torch.tensor([True, False, True])
+    out = rejection_sample(TargetDistribution(greedy, sampleable), torch.tensor([[3, 5]]), torch.tensor([2]),
+                           torch.tensor([0]))
+    assert out.tokens[0, :2].tolist() == [3, NO_TOKEN] and out.num_emitted.item() == 2
+
+
+def test_seeded_requests_draw_the_same_tokens_every_time():
+    q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
+    target, drafts, nd, first, dp = _batch(q, 3)
+    n = 64
+    runs = []
+    for _ in range(2):
+        gens = {int(first[b]): torch.Generator().manual_seed(1000 + b) for b in range(n)}
+        t = TargetDistribution(target.greedy_tokens[:n * 4], target.sampleable[:n * 4], target.greedy[:n * 4],
+                               target.probs[:n * 4], gens)
+        torch.manual_seed(len(runs) + 7)  # the unseeded stream differs between the runs
+        runs.append(rejection_sample(t, drafts[:n], nd[:n], first[:n], dp[:n]).tokens)
+    assert torch.equal(runs[0], runs[1])
