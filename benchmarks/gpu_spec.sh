@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, after `source .gpu/install.sh` (base and model groups): speculative decoding's
 # figures of docs/speculative.md, speculation off and on side by side, each row a fresh process.
-#   tpot        batch 1, the default model, the `edit` dataset (copying is common), ngram k=4: TPOT
+#   tpot        batch 1, the default model, the `edit` dataset (copying is common), ngram k=4 and k=8: TPOT
 #   throughput  dummy:llama-3-8b, 64 and 256 requests x 512 in x 256 out, ngram k=4, policy auto
 #   bash benchmarks/gpu_spec.sh [all|tpot|throughput]
 # JSON and tables go to $OUT (the device tool's output folder) or ./gpu-out.
@@ -12,6 +12,7 @@ case $what in all|tpot|throughput) ;; *) echo "usage: $0 [all|tpot|throughput]" 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+NGRAM8='{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 run() {  # run NAME TIMEOUT ARGS...: one fresh process, JSON to $out/NAME.json, its table to $out/NAME.txt
   local name=$1 limit=$2; shift 2
   timeout "$limit" kvforge bench "$@" --json "$out/$name.json" 2>&1 | grep -v -i warn | tail -6 | tee "$out/$name.txt"
@@ -20,6 +21,7 @@ if [[ $what == all || $what == tpot ]]; then
   L=(latency --batch-size 1 --input-len 512 --output-len 256 --dataset edit --num-iters-warmup 1 --num-iters 3)
   run tpot-off 150 "${L[@]}"
   run tpot-ngram 150 "${L[@]}" --speculative-config "$NGRAM"
+  run tpot-ngram8 150 "${L[@]}" --speculative-config "$NGRAM8"
 fi
 if [[ $what == all || $what == throughput ]]; then
   for n in 64 256; do

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 #: it a step is compute-bound, launches are a small part of it, and the speculation policy turns
 #: drafting off anyway
 MAX_SPEC_GRAPH_TOKENS = 1024
+#: verification graphs of at most this many query tokens also capture the greedy verification head
+#: (float32 logits of every row live in the graph's memory pool: 256 x vocab x 4 bytes)
+MAX_VERIFY_HEAD_TOKENS = 256
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
@@ -59,8 +62,12 @@ class CUDAGraphRunner:
     """Holds one captured graph per (batch size, query length), with their static inputs and outputs."""
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
-                 max_num_seqs: int, max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,)):
+                 max_num_seqs: int, max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,),
+                 verify_head: bool = False):
+        """``verify_head``: verification graphs (q > 1, at most ``MAX_VERIFY_HEAD_TOKENS`` tokens) also
+        compute the logits and verify the drafts greedily (:meth:`head`)."""
         self.model, self.attn, self.kv_caches = model, attn, kv_caches
+        self.verify_head = verify_head
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = sorted(set(query_lens) | {1})
@@ -72,6 +79,7 @@ class CUDAGraphRunner:
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any, torch.Tensor]] = {}
+        self.heads: dict[tuple[int, int], torch.Tensor] = {}  # (size, q) -> [size, q + 1] greedy verification
         self.replays: dict[tuple[int, int], int] = {}  # (size, q) -> replays so far
         self.pool = None
 
@@ -83,12 +91,17 @@ class CUDAGraphRunner:
         for n, q in keys:
             meta = self.attn.build_graph_metadata(uniform_layout(n, q, self.max_blocks))
             ids, pos = self.input_ids[:n * q], self.positions[:n * q]
+            with_head = self.verify_head and q > 1 and n * q <= MAX_VERIFY_HEAD_TOKENS
             for _ in range(2):  # warm up: autotuning, lazy allocations
-                self.model(ids, pos, self.kv_caches, meta)
+                hidden = self.model(ids, pos, self.kv_caches, meta)
+                if with_head:
+                    greedy_verify_head(self.model, hidden, ids, n, q)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self.model(ids, pos, self.kv_caches, meta)
+                if with_head:
+                    self.heads[(n, q)] = greedy_verify_head(self.model, hidden, ids, n, q)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[(n, q)] = (graph, meta, hidden)
@@ -113,6 +126,11 @@ class CUDAGraphRunner:
             return None
         return next(s for s in sizes if s >= n), q
 
+    def head(self, key: tuple[int, int]) -> torch.Tensor | None:
+        """The greedy verification of the graph ``key`` (after its replay), or None if it has none:
+        row b is sequence b's emitted tokens (NO_TOKEN past them), then how many it emitted."""
+        return self.heads.get(key)
+
     def replay(self, layout: BatchLayout) -> torch.Tensor:
         """Replay the graph of ``layout`` (already padded to a captured size, its inputs already in
         ``input_ids`` / ``positions``); returns hidden states [size * q, hidden] (a view)."""
@@ -122,3 +140,14 @@ class CUDAGraphRunner:
         graph.replay()
         self.replays[key] = self.replays.get(key, 0) + 1
         return hidden
+
+
+def greedy_verify_head(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, n: int, q: int) -> torch.Tensor:
+    """Greedy verification of a uniform step, as tensor ops of static shapes (captured in the graph):
+    every sequence's q input ids are its own token and q - 1 drafts. Returns [n, q + 1] int64: the
+    emitted tokens (``kvforge.rejection_sampler`` semantics: NO_TOKEN padding), then their count."""
+    from kvforge.rejection_sampler import TargetDistribution, rejection_sample
+
+    top, greedy = model.compute_logits(hidden).max(dim=-1)
+    verified = rejection_sample(TargetDistribution(greedy, top > float("-inf")), ids.view(n, q)[:, 1:])
+    return torch.cat([verified.tokens, verified.num_emitted[:, None]], dim=1)

@@ -121,6 +121,7 @@ class LLMEngine:
             self.spec_policy = SpeculationPolicy(sc.num_speculative_tokens, sc.policy, knee)
         self._last_complete = None  # perf_counter() of the last applied step (the policy's step times)
         self._speculating = False  # the policy asked for drafts for the next step (it runs synchronously)
+        self._proposed: dict[str, int] = {}  # request id -> drafts the drafter proposed for the step (no fillers)
         self._step_modes: dict[int, bool] = {}  # id(SchedulerOutput) -> whether its step was speculating
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
                     self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
@@ -372,19 +373,26 @@ class LLMEngine:
         tables = [self.kv_cache.block_table(r.request_id) for r in reqs]
         proposal = self.drafter.propose(DraftBatch(reqs, ks, tables))
         probs = proposal.draft_probs or [None] * len(reqs)
-        # with CUDA graphs, verification steps replay a graph when every request has k drafts: fill short
-        # runs up (a filler is verified like any draft, so it costs compute, never correctness)
-        pad = self.runner.graphs is not None and k == self.spec_config.num_speculative_tokens
-        for r, kk, drafts, q in zip(reqs, ks, proposal.token_ids, probs):
+        runs = []
+        for r, kk, drafts in zip(reqs, ks, proposal.token_ids):
             drafts = list(drafts[:kk])
-            if len(drafts) < kk and not pad:  # slots the drafter left empty count as rejected for the policy
-                self.spec_policy.observe(r.request_id, kk - len(drafts), 0)
             if drafts and r.grammar is not None:
                 drafts = drafts[:r.grammar.valid_prefix(drafts)]
-            elif pad and len(drafts) < kk:
-                drafts += [drafts[-1] if drafts else r.all_token_ids[-1]] * (kk - len(drafts))
+            runs.append(drafts)
+        self._proposed = {r.request_id: len(d) for r, d in zip(reqs, runs)}
+        # with CUDA graphs, verification steps replay a graph when every request has k drafts: fill short
+        # runs up (a filler is verified like any draft, so it costs compute, never correctness). When
+        # the drafter found nothing at all, the step is a plain decode step.
+        pad = (self.runner.graphs is not None and k == self.spec_config.num_speculative_tokens
+               and any(runs) and not any(r.grammar is not None for r in reqs))
+        for r, kk, drafts, q in zip(reqs, ks, runs, probs):
+            if not drafts and not pad:  # nothing to verify: the drafter's miss counts as a rejection
+                self.spec_policy.observe(r.request_id, 0, 0)
+            n = len(drafts)
+            if pad and n < kk:
+                drafts = drafts + [drafts[-1] if drafts else r.all_token_ids[-1]] * (kk - n)
             r.draft_token_ids = drafts
-            r.draft_probs = q[:len(drafts)] if q is not None and drafts else None
+            r.draft_probs = q[:n] if q is not None and n else None
 
     @staticmethod
     def _may_overlap(sched_out: SchedulerOutput) -> bool:
@@ -431,17 +439,18 @@ class LLMEngine:
         # pays for the drafter even when the drafter found nothing)
         speculating = self._step_modes.pop(id(sched_out), bool(drafts))
         if last is not None and decode_only and sched_out.scheduled:
-            self.spec_policy.record_step(len(sched_out.scheduled), speculating,
-                                         sum(len(t) for t in sampled.values()), now - last)
+            self.spec_policy.record_step(len(sched_out.scheduled), speculating, now - last)
 
     def _record_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
         self.spec_stats.num_steps += 1
         for rid, d in drafts.items():
             tokens = sampled.get(rid)
             if tokens is not None and d:
-                accepted = len(tokens) - 1
-                self.spec_stats.record(len(d), accepted)
-                self.spec_policy.observe(rid, len(d), accepted)
+                proposed = self._proposed.get(rid, len(d))  # the rest are fillers (see _propose)
+                accepted = min(len(tokens) - 1, proposed)
+                if proposed:
+                    self.spec_stats.record(proposed, accepted)
+                self.spec_policy.observe(rid, proposed, accepted)
 
     def _advance_grammar(self, req: Request) -> None:
         """Advance the grammar by the step's new tokens (several when drafts were accepted)."""

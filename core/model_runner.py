@@ -42,6 +42,7 @@ class ModelRunner:
         self.timing: dict[str, float] | None = None  # per-phase seconds, when profiling
         self.swap_space: CPUSwapSpace | None = None
         self.extra_bytes_per_block = 0  # a drafter's own KV cache shares the block ids (Drafter.kv_bytes_per_block)
+        self.num_graph_verifications = 0  # steps whose drafts a CUDA graph verified (greedy, CUDAGraphRunner.head)
 
     # -- KV cache sizing -------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -112,7 +113,8 @@ class ModelRunner:
         from kvforge.cuda_graphs import CUDAGraphRunner
 
         self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len, device=self.device, query_lens=query_lens)
+                                      max_model_len=max_model_len, device=self.device, query_lens=query_lens,
+                                      verify_head=True)
         return self.graphs.capture()
 
     def initialize_swap_space(self, swap_space_gib: float) -> int:
@@ -154,7 +156,7 @@ class ModelRunner:
         graph_key = None  # (padded batch size, query tokens per sequence) of a uniform step
         if self.graphs is not None and not any(r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
             graph_key = self.graphs.padded_size(out)
-        buf, layout, sample_reqs, fills, row_counts = self._layout(out, kv, graph_key, prev)
+        buf, layout, sample_reqs, fills, row_counts, dense = self._layout(out, kv, graph_key, prev)
         dev = self.device
         num_rows = layout.num_tokens  # with graph padding
         pinned = buf.tensors
@@ -168,20 +170,35 @@ class ModelRunner:
             dst = pinned["fill_dst"][:fills].to(dev, non_blocking=True)
             src = pinned["fill_src"][:fills].to(dev, non_blocking=True)
             ids_dev[dst] = prev.tokens[src]
+        head = None  # a verification graph's greedy verification of its drafts
         if graph_key is not None:  # a uniform step (decode, or verification of k drafts each): replay a graph
             hidden = self.graphs.replay(layout)[:out.total_num_scheduled_tokens]
+            head = self.graphs.head(graph_key)
         else:
             meta = self.attn.build_metadata(layout)
             hidden = self.model(ids_dev, pos_dev, self.kv_caches, meta)  # [num_tokens, hidden]
         handle = StepHandle(buf, dev)
         self._prompt_logprobs(out, layout, hidden, handle)
-        if sample_reqs and row_counts is not None:  # the step verifies drafts
-            rows = pinned["sample_rows"][:sum(row_counts)].to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows]).float()  # [sum(1 + k), vocab]
-            self._verify(logits, sample_reqs, row_counts, out.draft_token_ids, handle)
+        if (sample_reqs and row_counts is not None and head is not None and dense
+                and all(self.sampler.plain_greedy(r) for r in sample_reqs)):
+            handle.set_verified_rows(head[:len(sample_reqs)], sample_reqs)  # verified inside the graph
+            self.num_graph_verifications += 1
+        elif sample_reqs and row_counts is not None:  # the step verifies drafts
+            n = sum(row_counts)
+            if dense:  # every row is sampled, in order (a uniform step): no gather
+                h, row_ids = hidden[:n], ids_dev[:n]
+            else:
+                rows = pinned["sample_rows"][:n].to(dev, non_blocking=True)
+                h, row_ids = hidden[rows], ids_dev[rows]
+            logits = self.model.compute_logits(h).float()  # [sum(1 + k), vocab]
+            # the rows' input ids: each request's own last token, then its drafts
+            self._verify(logits, row_ids, sample_reqs, row_counts, out.draft_token_ids, handle)
         elif sample_reqs:
-            rows = pinned["sample_rows"][:len(sample_reqs)].to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows]).float()  # [num_sampled, vocab]
+            if dense:  # every row is sampled, in order (a decode step): no gather
+                h = hidden[:len(sample_reqs)]
+            else:
+                h = hidden[pinned["sample_rows"][:len(sample_reqs)].to(dev, non_blocking=True)]
+            logits = self.model.compute_logits(h).float()  # [num_sampled, vocab]
             sampled = self._sample(logits, sample_reqs, handle)  # NO_TOKEN (-1) where nothing could be sampled
             tokens = sampled.clamp_min(0)  # what the device reads (placeholders, logprobs); the host sees -1
             handle.set_tokens(tokens, sample_reqs, sampled)
@@ -213,14 +230,14 @@ class ModelRunner:
                 handle.errors[req.request_id] = RequestFailure.from_exception(exc, "sampling")
         return tokens
 
-    def _verify(self, logits: torch.Tensor, reqs: list, counts: list[int], drafts: dict[str, list[int]],
-                handle: "StepHandle") -> None:
+    def _verify(self, logits: torch.Tensor, row_ids: torch.Tensor, reqs: list, counts: list[int],
+                drafts: dict[str, list[int]], handle: "StepHandle") -> None:
         """Verify the step's drafts with the rejection sampler: request b owns ``counts[b]`` rows
         (1 + its drafts). Isolated like :meth:`_sample`: if the batch raises, each request is verified
         alone, and one that still raises fails on its own."""
         K = max(counts) - 1
         try:
-            verified = self._verify_rows(logits, reqs, counts, drafts, K)
+            verified = self._verify_rows(logits, row_ids, reqs, counts, drafts, K)
         except Exception as exc:
             if is_device_error(exc):
                 raise
@@ -230,14 +247,14 @@ class ModelRunner:
             start = 0
             for b, (req, c) in enumerate(zip(reqs, counts)):
                 try:
-                    one = self._verify_rows(logits[start:start + c], [req], [c], drafts, K)
+                    one = self._verify_rows(logits[start:start + c], row_ids[start:start + c], [req], [c], drafts, K)
                     tokens[b], emitted[b] = one.tokens[0], one.num_emitted[0]
                 except Exception as exc:
                     if is_device_error(exc):
                         raise
                     handle.errors[req.request_id] = RequestFailure.from_exception(exc, "sampling")
                 start += c
-            verified = VerifiedTokens(tokens, emitted, emitted - 1, torch.zeros(K, dtype=torch.long))
+            verified = VerifiedTokens(tokens, emitted, emitted - 1)
         handle.set_verified(verified, reqs, counts)
         want = [b for b, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         if want:
@@ -251,21 +268,32 @@ class ModelRunner:
                 logits[h2d(rows, torch.long, self.device)], row_tokens.clamp_min(0), k))
             handle.logprob_rows = [counts[b] for b in want]
 
-    def _verify_rows(self, logits: torch.Tensor, reqs: list, counts: list[int], drafts: dict[str, list[int]],
-                     K: int) -> VerifiedTokens:
+    def _verify_rows(self, logits: torch.Tensor, row_ids: torch.Tensor, reqs: list, counts: list[int],
+                     drafts: dict[str, list[int]], K: int) -> VerifiedTokens:
+        """Request b's rows are the next ``counts[b]`` of ``logits``; ``row_ids`` are their input ids
+        (its own last token, then its drafts)."""
         views: list = []
-        first, draft_rows = [], np.zeros((len(reqs), K), dtype=np.int64)
-        for b, (req, c) in enumerate(zip(reqs, counts)):
-            first.append(len(views))
-            d = drafts.get(req.request_id, [])[:c - 1]
-            draft_rows[b, :len(d)] = d
-            views.append(req)
-            views.extend(DraftRow(req, d[:j]) for j in range(1, c))
+        for req, c in zip(reqs, counts):
+            if c > 1 and self.sampler.reads_history(req):  # row j sees drafts 1..j as generated
+                d = drafts.get(req.request_id, [])[:c - 1]
+                views.append(req)
+                views.extend(DraftRow(req, d[:j]) for j in range(1, c))
+            else:
+                views.extend([req] * c)
         target = self.sampler.target(logits, self.sampler.prepare(views))
-        dev = self.device
-        tokens = h2d(draft_rows, torch.long, dev)
-        return rejection_sample(target, tokens, h2d([c - 1 for c in counts], torch.long, dev),
-                                h2d(first, torch.long, dev), self._draft_probs(reqs, counts, tokens, K))
+        B = len(reqs)
+        if all(c == K + 1 for c in counts):  # uniform (always, with CUDA graphs): no index to build
+            tokens = row_ids.view(B, K + 1)[:, 1:]
+            return rejection_sample(target, tokens, draft_probs=self._draft_probs(reqs, counts, tokens, K))
+        first = np.zeros(B, dtype=np.int64)
+        np.cumsum(counts[:-1], out=first[1:])
+        num_drafts = np.asarray(counts, dtype=np.int64) - 1
+        j = np.arange(K)
+        index = np.where(j[None, :] < num_drafts[:, None], first[:, None] + 1 + j[None, :], first[:, None])
+        packed = h2d(np.concatenate([index.ravel(), num_drafts, first]), torch.long, self.device)  # one copy
+        tokens = row_ids[packed[:B * K]].view(B, K)
+        return rejection_sample(target, tokens, packed[B * K:B * K + B], packed[B * K + B:],
+                                self._draft_probs(reqs, counts, tokens, K))
 
     def _draft_probs(self, reqs: list, counts: list[int], tokens: torch.Tensor, K: int) -> torch.Tensor | None:
         """[B, K, vocab] q of every draft: the drafter's where it gave one, else one-hot at the draft."""
@@ -384,14 +412,21 @@ class ModelRunner:
         ends = starts + q_lens
         if drafts:  # request i samples its last 1 + k rows: one per draft to verify, and one more
             row_counts = []
+            n_rows = 0
             for i, r in enumerate(reqs):
                 if ends[i] >= r.num_tokens:
                     c = 1 + len(drafts.get(r.request_id, ()))
-                    n_rows = sum(row_counts)
                     sample_rows[n_rows:n_rows + c] = np.arange(qsl[i + 1] - c, qsl[i + 1])
                     sample_reqs.append(r)
                     row_counts.append(c)
-            return buf, BatchLayout(qsl, seq_lens, block_tables, slots), sample_reqs, fills, row_counts
+                    n_rows += c
+                    for fork in r.forks:  # n > 1 finishing its prompt (never with drafts): one row each
+                        sample_rows[n_rows] = qsl[i + 1] - 1
+                        sample_reqs.append(fork)
+                        row_counts.append(1)
+                        n_rows += 1
+            layout = BatchLayout(qsl, seq_lens, block_tables, slots)
+            return buf, layout, sample_reqs, fills, row_counts, not num_forks and n_rows == total
         for i, r in enumerate(reqs):
             if ends[i] >= r.num_tokens:  # the step reaches the request's last known token: sample
                 row = qsl[i + 1] - 1
@@ -399,7 +434,8 @@ class ModelRunner:
                     sample_rows[len(sample_reqs)] = row
                     sample_reqs.append(req)
         layout = BatchLayout(qsl, seq_lens, block_tables, slots)
-        return buf, layout, sample_reqs, fills, None
+        # dense: the sampled rows are all rows, in order (no fork repeats a row)
+        return buf, layout, sample_reqs, fills, None, not num_forks and len(sample_reqs) == total
 
 
 class StepHandle:
@@ -414,6 +450,7 @@ class StepHandle:
         self.prompt_logprobs: tuple | None = None  # (spans, tensors)
         self.errors: dict[str, RequestFailure] = {}  # requests whose sampling failed (known at launch)
         self.verified: tuple | None = None  # (VerifiedTokens, counts) when the step verified drafts
+        self.verified_rows: torch.Tensor | None = None  # [B, q + 1] from a graph's head (CUDAGraphRunner.head)
         self.logprob_rows: list[int] | None = None  # with drafts: rows of logprobs per request of self.logprobs
         self.event: torch.cuda.Event | None = None
         self._host: dict[str, Any] = {}
@@ -432,19 +469,24 @@ class StepHandle:
         self._sampled = tokens if sampled is None else sampled
 
     def set_verified(self, verified: VerifiedTokens, reqs: list, counts: list[int]) -> None:
-        """A step that verified drafts: each request's emitted tokens (its last one is also what a
-        following step would read on the device)."""
-        last = verified.tokens.gather(1, (verified.num_emitted - 1)[:, None]).squeeze(1)
-        self.tokens, self.sample_reqs, self._sampled = last.clamp_min(0), reqs, None
+        """A step that verified drafts: each request's emitted tokens. (Such a step is never left in
+        flight, so no later step reads its tokens on the device.)"""
+        self.sample_reqs, self._sampled = reqs, None
         self.verified = (verified, counts)
+
+    def set_verified_rows(self, rows: torch.Tensor, reqs: list) -> None:
+        """A step verified inside its CUDA graph: row b is request b's emitted tokens, then their count."""
+        self.sample_reqs, self._sampled = reqs, None
+        self.verified_rows = rows
 
     def finish(self) -> None:
         """Queue the copies of the results to the host (pinned memory on CUDA) and mark their end."""
         cuda = self.device.type == "cuda"
-        if self.verified is not None:
-            v = self.verified[0]
-            self._host["verified"] = {name: d2h(getattr(v, name)) for name in
-                                      ("tokens", "num_emitted", "accepted_by_position")}
+        if self.verified_rows is not None:
+            self._host["verified_rows"] = d2h(self.verified_rows)
+        elif self.verified is not None:
+            v = self.verified[0]  # one copy: [B, K + 1] tokens, then [B] counts
+            self._host["verified"] = d2h(torch.cat([v.tokens.flatten(), v.num_emitted]))
         elif self.tokens is not None:
             dst = self.buf.tensors["sampled"][:len(self.sample_reqs)]
             dst.copy_(self._sampled, non_blocking=cuda)
@@ -464,11 +506,15 @@ class StepHandle:
         if self.event is not None:
             self.event.synchronize()
         res = ModelRunnerOutput()
-        if self.verified is not None:
-            v = self._host["verified"]
-            ids = (r.request_id for r in self.sample_reqs)
-            res.sampled_token_ids = {rid: row[:n] for rid, row, n in
-                                     zip(ids, v["tokens"].tolist(), v["num_emitted"].tolist())}
+        if self.verified_rows is not None:
+            res.sampled_token_ids = {r.request_id: row[:row[-1]] for r, row in
+                                     zip(self.sample_reqs, self._host["verified_rows"].tolist())}
+        elif self.verified is not None:
+            B = len(self.sample_reqs)
+            flat = self._host["verified"].tolist()
+            width = (len(flat) - B) // B
+            res.sampled_token_ids = {r.request_id: flat[b * width:b * width + n] for b, (r, n) in
+                                     enumerate(zip(self.sample_reqs, flat[B * width:]))}
         elif self.tokens is not None:
             res.sampled_token_ids = {r.request_id: [t] for r, t in zip(self.sample_reqs, self._host["tokens"].tolist())}
         if self.logprobs is not None:

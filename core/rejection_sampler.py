@@ -41,27 +41,41 @@ class VerifiedTokens:
     tokens: torch.Tensor  # [B, K + 1] int64: the emitted tokens first, then NO_TOKEN padding
     num_emitted: torch.Tensor  # [B] int64: accepted drafts + 1 (the last is NO_TOKEN if nothing could be sampled)
     num_accepted: torch.Tensor  # [B] int64
-    accepted_by_position: torch.Tensor  # [K] int64: requests whose draft at position j was accepted
+
+    @property
+    def accepted_by_position(self) -> torch.Tensor:
+        """[K] int64: requests whose draft at position j was accepted (drafts are accepted as a run)."""
+        K = self.tokens.shape[1] - 1
+        return (self.num_accepted[:, None] > torch.arange(K, device=self.tokens.device)).sum(dim=0)
 
 
-def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
-                     first_row: torch.Tensor, draft_probs: torch.Tensor | None = None) -> VerifiedTokens:
+def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num_drafts: torch.Tensor | None = None,
+                     first_row: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> VerifiedTokens:
     """Verify the drafts of ``B`` requests.
 
     draft_tokens: [B, K] int64 (padding past a request's ``num_drafts`` is ignored).
     num_drafts: [B] int64, k_b in 0..K. first_row: [B] int64, the row of the request's first
-    distribution; its rows are ``first_row[b] .. first_row[b] + k_b``.
+    distribution; its rows are ``first_row[b] .. first_row[b] + k_b``. Both None: a uniform batch,
+    every request with K drafts and rows ``b * (K + 1) ..`` (the layout of a CUDA-graph step).
     draft_probs: [B, K, vocab] float32, q of each draft position; None means one-hot at the draft.
     Seeded requests are those whose first row has a generator in ``target.generators``.
     """
+    if num_drafts is None and target.probs is None:
+        return _greedy_uniform(target, draft_tokens)
     dev = draft_tokens.device
     B, K = draft_tokens.shape
+    host_first = None  # the first rows on the host, for the seeded requests' generators
+    if num_drafts is None:
+        num_drafts = torch.full((B,), K, dtype=torch.long, device=dev)
+        first_row = torch.arange(B, device=dev) * (K + 1)
+        host_first = list(range(0, B * (K + 1), K + 1))
     pos = torch.arange(K, device=dev)
     valid = pos[None, :] < num_drafts[:, None]  # [B, K]
     rows = first_row[:, None] + pos[None, :]  # [B, K] the row that judges draft j
     rows = torch.where(valid, rows, first_row[:, None])
     drafts = torch.where(valid, draft_tokens, 0)
-    greedy_match = target.greedy_tokens[rows] == drafts  # [B, K]
+    # a row with nothing to sample accepts no draft (its final token is then NO_TOKEN)
+    greedy_match = (target.greedy_tokens[rows] == drafts) & target.sampleable[rows]  # [B, K]
     if target.probs is None:
         accept = greedy_match
     else:
@@ -69,7 +83,7 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
         q = (draft_probs.gather(2, drafts[:, :, None]).squeeze(2) if draft_probs is not None
              else torch.ones_like(p))
         u = torch.rand(B, K, device=dev)
-        seeded = _seeded(target, first_row)
+        seeded = _seeded(target, first_row, host_first)
         for b, gen in seeded:
             u[b] = torch.rand(K, device=dev, generator=gen)
         # u < p / q, written without dividing: q > 0 wherever the draft was drawn from q
@@ -93,7 +107,7 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
             residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, dist)
             dist = torch.where(rejected[:, None], residual, dist)
         noise = torch.empty_like(dist).exponential_()
-        for b, gen in _seeded(target, first_row):
+        for b, gen in seeded:
             noise[b].exponential_(generator=gen)
         sampled = (dist / noise).argmax(dim=1)
         final = torch.where(target.greedy[last], final, sampled)
@@ -101,11 +115,24 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
     tokens = torch.full((B, K + 1), NO_TOKEN, dtype=torch.long, device=dev)
     tokens[:, :K] = torch.where(run.bool(), drafts, NO_TOKEN)
     tokens.scatter_(1, num_accepted[:, None], final[:, None])
-    return VerifiedTokens(tokens, num_accepted + 1, num_accepted, run.sum(dim=0))
+    return VerifiedTokens(tokens, num_accepted + 1, num_accepted)
 
 
-def _seeded(target: TargetDistribution, first_row: torch.Tensor) -> list[tuple[int, torch.Generator]]:
+def _greedy_uniform(target: TargetDistribution, drafts: torch.Tensor) -> VerifiedTokens:
+    """Every row greedy, every request K drafts at rows b * (K + 1)..: the accepted drafts are the
+    greedy tokens themselves, so the emitted tokens are the greedy tokens up to the first mismatch
+    (a few kernels: a step at batch 1 is bound by launches, not by arithmetic)."""
+    B, K = drafts.shape
+    greedy = torch.where(target.sampleable, target.greedy_tokens, NO_TOKEN).view(B, K + 1)
+    run = (greedy[:, :K] == drafts).cumprod(dim=1)  # drafts >= 0: an unsampleable row accepts nothing
+    num_accepted = run.sum(dim=1)
+    emitted = torch.cat([torch.ones_like(run[:, :1]), run], dim=1).bool()  # the run, then the final token
+    return VerifiedTokens(torch.where(emitted, greedy, NO_TOKEN), num_accepted + 1, num_accepted)
+
+
+def _seeded(target: TargetDistribution, first_row: torch.Tensor,
+            host_first: list[int] | None) -> list[tuple[int, torch.Generator]]:
     if not target.generators:
         return []
-    rows = first_row.tolist()
+    rows = host_first if host_first is not None else first_row.tolist()
     return [(b, target.generators[r]) for b, r in enumerate(rows) if r in target.generators]

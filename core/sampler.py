@@ -64,6 +64,18 @@ class Sampler(ABC):
         raise NotImplementedError(f"sampler {self.name!r} does not implement target(), which speculative "
                                   "decoding needs")
 
+    def reads_history(self, request: Request) -> bool:
+        """Whether this request's rows depend on its generated tokens (penalties, bad words...): if so,
+        the rows verifying its drafts are :class:`DraftRow` views, else the request itself. Default:
+        always (correct for any sampler; a sampler that knows better saves the views)."""
+        return True
+
+    def plain_greedy(self, request: Request) -> bool:
+        """Whether this request's token is exactly the argmax of the raw logits (greedy, nothing
+        that changes the logits, no log-probabilities): a CUDA graph may then verify its drafts
+        without the sampler. Default: never (correct for any sampler)."""
+        return False
+
     def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional: a no-op by default
         """Forget per-request state (random generators...) of requests that ended."""
 

@@ -55,47 +55,69 @@ class SpeculationPolicy:
 
     ``fixed``: always k. ``auto``, in two layers:
 
-    1. A model. With B decoding requests whose acceptance rates average a, a step with j drafts each
-       yields E(j) = (1 - a^(j+1)) / (1 - a) tokens per request and costs
-       max(B(1 + j), knee) / max(B, knee) of a plain step (bandwidth-bound up to ``knee`` query
-       tokens). The best j in 0..k by E(j) / cost(j), with a 2% margin over a plain step, is the
-       candidate; 0 switches speculation off. Acceptance is tracked per request (an exponential
-       average of the fraction of the drafts it asked for that were accepted: a drafter that proposes
-       nothing counts as rejected) and overall, for requests that have not drafted yet.
-    2. Measurement. The model cannot see what a step really costs on this machine (a step that
-       verifies drafts also gives up async scheduling's overlap, worth little at batch 256 and a lot
-       at batch 64), so the engine reports every step's wall time and tokens (:meth:`record_step`),
-       kept per batch-size bucket (powers of two) and mode (drafting or not) as exponential averages
-       of tokens per second. Once both modes have been measured in a bucket, drafting goes on only
-       if it was measured faster there. Every ``explore_every`` steps of a bucket the other mode runs
-       for ``explore_steps`` steps, so that the measurements follow the workload.
+    1. Acceptance and a cost model pick j. Each request's per-position acceptance alpha is tracked
+       as the estimate of a geometric run: exponential averages of its accepted drafts per step and
+       of its rejection events (a step whose run stopped before the drafts it asked for; a drafter
+       that proposed nothing is a rejection), alpha = accepted / (accepted + rejections). A request
+       then expects E(j) = (1 - alpha^(j+1)) / (1 - alpha) tokens from a step with j drafts. Such a
+       step costs about max(B(1 + j), knee) / max(B, knee) of a plain step for B decoding requests
+       (bandwidth-bound up to ``knee`` query tokens). The best j in 0..k by sum E(j) / cost(j) is the
+       candidate, a drafting j only if it beats a plain step (B tokens) by 2%; 0 switches
+       speculation off. (No margin between draft counts: under the knee an extra draft costs
+       nothing, so j = k, the one count with CUDA graphs.)
+    2. Measured step times overrule the cost model. The model cannot see what a step really costs
+       on this machine (a step that verifies drafts runs synchronously and gives up async
+       scheduling's overlap, worth little at batch 256 and a lot at batch 1), so the engine reports
+       every decode step's wall time (:meth:`record_step`), kept per batch-size bucket (powers of
+       two) and mode (drafting or not) as exponential averages. Once both modes have been timed in a bucket, the
+       candidate j drafts only if sum E(j) / T_drafting beats B / T_plain. Every
+       ``explore_every`` decisions of a bucket the other mode runs for ``explore_steps`` steps, so
+       that the times follow the workload.
     """
 
     def __init__(self, k: int, mode: str = "auto", knee_tokens: int = 256, initial_acceptance: float = 0.5,
                  smoothing: float = 0.3, explore_every: int = 64, explore_steps: int = 4, min_samples: int = 3):
         self.k, self.mode, self.knee = k, mode, knee_tokens
         self.smoothing = smoothing
-        self.initial = self.overall = initial_acceptance
-        self.per_request: dict[str, float] = {}
+        self.initial = initial_acceptance
+        # (accepted per step, rejections per step) averages: alpha = a / (a + r)
+        self.prior = (initial_acceptance, 1 - initial_acceptance)
+        self.overall = self.prior  # requests that have not drafted yet start here
+        self.per_request: dict[str, tuple[float, float]] = {}
         self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
-        self.rates: dict[tuple[int, bool], tuple[float, int]] = {}  # (bucket, drafting) -> (tokens/s, samples)
+        self.times: dict[tuple[int, bool], tuple[float, int]] = {}  # (bucket, drafting) -> (seconds/step, samples)
         self.steps: dict[int, int] = {}  # bucket -> decisions made
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return 1 << max(0, batch_size - 1).bit_length()
 
+    def acceptance(self, request_id: str) -> float:
+        """The request's estimated per-position acceptance alpha."""
+        a, r = self.per_request.get(request_id, self.overall)
+        return a / (a + r) if a + r > 0 else 0.0
+
+    def expected_tokens(self, request_ids: list[str], j: int) -> float:
+        """Sum over the requests of E(j), the tokens a step with j drafts each yields."""
+        total = 0.0
+        for rid in request_ids:
+            alpha = min(self.acceptance(rid), 0.999)
+            total += (1 - alpha ** (j + 1)) / (1 - alpha)
+        return total
+
+    def _cost(self, B: int, j: int) -> float:
+        return max(B * (1 + j), self.knee) / max(B, self.knee)
+
     def model_choice(self, request_ids: list[str]) -> int:
         """The cost model's j (layer 1)."""
-        a = sum(self.per_request.get(r, self.overall) for r in request_ids) / len(request_ids)
-        a = min(a, 0.999)
         B = len(request_ids)
-        best_j, best = 0, 1.0
+        best_j, best = 0, 1.02 * B  # drafting must beat a plain step (B tokens) by a 2% margin
         for j in range(1, self.k + 1):
-            gain = (1 - a ** (j + 1)) / (1 - a)
-            cost = max(B * (1 + j), self.knee) / max(B, self.knee)
-            if gain / cost > best * 1.02:  # a margin: never trade a sure step for a noisy estimate
-                best_j, best = j, gain / cost
+            # (no margin between draft counts: under the knee every extra draft is free, so j = k;
+            # with CUDA graphs only k has verification graphs)
+            value = self.expected_tokens(request_ids, j) / self._cost(B, j)
+            if value > best:
+                best_j, best = j, value
         return best_j
 
     def num_draft_tokens(self, request_ids: list[str]) -> int:
@@ -107,37 +129,41 @@ class SpeculationPolicy:
         if model == 0:
             # nothing is learned while not drafting: let estimates drift back toward the prior, so a
             # request whose text turns repetitive gets drafts again
-            for r in request_ids:
-                if r in self.per_request:
-                    self.per_request[r] += 0.02 * (self.initial - self.per_request[r])
+            for rid in request_ids:
+                if rid in self.per_request:
+                    (a, r), (pa, pr) = self.per_request[rid], self.prior
+                    self.per_request[rid] = (a + 0.02 * (pa - a), r + 0.02 * (pr - r))
             return 0
-        b = self.bucket(len(request_ids))
+        B = len(request_ids)
+        b = self.bucket(B)
         n = self.steps[b] = self.steps.get(b, 0) + 1
-        on, off = self.rates.get((b, True)), self.rates.get((b, False))
-        measured = (on is not None and off is not None and on[1] >= self.min_samples
-                    and off[1] >= self.min_samples)
-        j = 0 if measured and on[0] < off[0] else model  # drafting was measured slower here
+        on, off = self.times.get((b, True)), self.times.get((b, False))
+        j = model
+        if (on is not None and off is not None and on[1] >= self.min_samples and off[1] >= self.min_samples
+                and self.expected_tokens(request_ids, model) / on[0] < B / off[0]):
+            j = 0  # drafting was measured slower here
         if n % self.explore_every < self.explore_steps:  # refresh the other mode's measurement
             j = 0 if j else model
         return j
 
-    def record_step(self, batch_size: int, drafting: bool, tokens: int, seconds: float) -> None:
-        """A decode step's wall time and the tokens it produced (the engine calls it every step)."""
+    def record_step(self, batch_size: int, drafting: bool, seconds: float) -> None:
+        """A decode step's wall time (the engine calls it every decode step)."""
         if seconds <= 0 or batch_size <= 0:
             return
         key = (self.bucket(batch_size), drafting)
-        rate = tokens / seconds
-        old = self.rates.get(key)
-        self.rates[key] = (rate, 1) if old is None else (0.8 * old[0] + 0.2 * rate, old[1] + 1)
+        old = self.times.get(key)
+        self.times[key] = (seconds, 1) if old is None else (0.8 * old[0] + 0.2 * seconds, old[1] + 1)
 
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """``drafted`` draft slots asked for (or verified), of which ``accepted`` were accepted."""
-        if drafted <= 0:
-            return
-        rate = accepted / drafted
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        """One verification of a request: ``proposed`` drafts (0: the drafter had none), of which the
+        first ``accepted`` were accepted."""
+        accepted = min(accepted, proposed)
+        rejected = 1.0 if accepted < proposed or proposed == 0 else 0.0
         s = self.smoothing
-        self.per_request[request_id] = (1 - s) * self.per_request.get(request_id, self.overall) + s * rate
-        self.overall = (1 - s / 4) * self.overall + s / 4 * rate
+        a, r = self.per_request.get(request_id, self.overall)
+        self.per_request[request_id] = ((1 - s) * a + s * accepted, (1 - s) * r + s * rejected)
+        a, r = self.overall
+        self.overall = ((1 - s / 4) * a + s / 4 * accepted, (1 - s / 4) * r + s / 4 * rejected)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

@@ -202,6 +202,17 @@ class DefaultSampler(Sampler):
             probs = probs.masked_fill(probs < st.min_p[:, None] * top, 0.0)
         return probs
 
+    def reads_history(self, request: Request) -> bool:
+        """Penalties, ``min_tokens``, bad words, logits processors and a grammar read the generated tokens."""
+        p = request.sampling_params
+        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
+                    or request.bad_words_token_ids or p.logits_processors or request.grammar is not None)
+
+    def plain_greedy(self, request: Request) -> bool:
+        p = request.sampling_params
+        return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
+                and not self.reads_history(request))
+
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)

@@ -1,10 +1,11 @@
 """``ngram``: prompt-lookup drafting. The longest suffix of the context (prompt + output) that also
 occurred earlier proposes the tokens that followed its latest earlier occurrence.
 
-One batched numpy pass per step: the contexts are right-aligned in a ``[B, L]`` array, and for every
-position i the length of the common suffix of ``context[:i + 1]`` and ``context`` (capped at
-``prompt_lookup_max``) is built with ``prompt_lookup_max`` vectorised comparisons. O(context) per
-request, no Python loop over tokens.
+Per request and step: one vectorised comparison of the context with its last token gives the
+candidate positions, then at most ``prompt_lookup_max - 1`` comparisons over the surviving candidates
+only extend the match backwards. O(context) per request, no Python loop over tokens. Each request's
+context lives in a numpy buffer of the drafter's that grows by the step's new tokens (no list is
+converted per step).
 """
 from __future__ import annotations
 
@@ -40,43 +41,52 @@ class NgramDrafter(Drafter):
         super().__init__(**kwargs)
         opts = NgramOptions(prompt_lookup_min, prompt_lookup_max)
         self.nmin, self.nmax = opts.prompt_lookup_min, opts.prompt_lookup_max
+        self._contexts: dict[str, tuple[np.ndarray, int, int]] = {}  # id -> (buffer, prompt length, output cached)
 
     def propose(self, batch: DraftBatch) -> DraftProposal:
-        contexts = [np.asarray(r.all_token_ids, dtype=np.int64) for r in batch.requests]
-        return DraftProposal(propose_ngram(contexts, batch.num_draft_tokens, self.nmin, self.nmax))
+        return DraftProposal([propose_ngram(self._context(r), k, self.nmin, self.nmax) if k > 0 else []
+                              for r, k in zip(batch.requests, batch.num_draft_tokens)])
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self._contexts.pop(rid, None)
+
+    def _context(self, req) -> np.ndarray:
+        """The request's prompt + known output as a numpy view, grown in place by the new tokens."""
+        out = req.output_token_ids
+        n_out = len(out) - req.num_placeholders  # a placeholder is not a token yet
+        buf, n_prompt, cached = self._contexts.get(req.request_id, (None, 0, -1))
+        if buf is None or cached > n_out:
+            prompt = req.prompt_token_ids
+            n_prompt, cached = len(prompt), 0
+            buf = np.empty(max(64, 2 * (n_prompt + n_out)), dtype=np.int64)
+            buf[:n_prompt] = prompt
+        n = n_prompt + n_out
+        if n > len(buf):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:n_prompt + cached] = buf[:n_prompt + cached]
+            buf = grown
+        if n_out > cached:
+            buf[n_prompt + cached:n] = out[cached:n_out]
+        self._contexts[req.request_id] = (buf, n_prompt, n_out)
+        return buf[:n]
 
 
-def propose_ngram(contexts: list[np.ndarray], ks: list[int], nmin: int, nmax: int) -> list[list[int]]:
-    """For each context, up to ``ks[b]`` tokens that followed the latest earlier occurrence of its
-    longest suffix of ``nmin..nmax`` tokens; [] where no such suffix occurred before."""
-    B = len(contexts)
-    if B == 0:
+def propose_ngram(context: np.ndarray, k: int, nmin: int, nmax: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the context's longest suffix
+    of ``nmin..nmax`` tokens; [] where no such suffix occurred before."""
+    n = len(context)
+    if n < 2 or k <= 0:
         return []
-    L = max(len(c) for c in contexts)
-    if L < 2:
-        return [[] for _ in contexts]
-    a = np.full((B, L), -1, dtype=np.int64)  # right-aligned; -1 never equals a token
-    for b, c in enumerate(contexts):
-        a[b, L - len(c):] = c
-    # match[b, i]: common suffix length of a[b, :i + 1] and a[b, :], for the earlier positions i < L - 1
-    match = np.zeros((B, L - 1), dtype=np.int64)
-    alive = np.ones((B, L - 1), dtype=bool)
-    for j in range(min(nmax, L - 1)):
-        tail = a[:, L - 1 - j]  # the suffix's token j from the end
-        same = np.zeros((B, L - 1), dtype=bool)
-        same[:, j:] = a[:, :L - 1 - j] == tail[:, None]
-        same &= (tail >= 0)[:, None]
-        alive &= same
-        match += alive
-    match[match < nmin] = 0
-    best = match.max(axis=1)
-    latest = L - 2 - np.argmax(match[:, ::-1] == best[:, None], axis=1)
-    out = []
-    for b in range(B):
-        k = ks[b]
-        if best[b] == 0 or k <= 0:
-            out.append([])
-        else:
-            start = latest[b] + 1
-            out.append(a[b, start:min(start + k, L)].tolist())
-    return out
+    cand = np.flatnonzero(context[:n - 1] == context[n - 1])  # earlier ends of a 1-token match
+    best = cand[-1] if nmin <= 1 and len(cand) else -1
+    for j in range(1, min(nmax, n - 1)):  # extend the surviving matches one token backwards
+        cand = cand[cand >= j]
+        cand = cand[context[cand - j] == context[n - 1 - j]]
+        if not len(cand):
+            break
+        if j + 1 >= nmin:
+            best = cand[-1]
+    if best < 0:
+        return []
+    return context[best + 1:best + 1 + k].tolist()

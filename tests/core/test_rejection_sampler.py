@@ -100,3 +100,49 @@ def test_seeded_requests_draw_the_same_tokens_every_time():
         torch.manual_seed(len(runs) + 7)  # the unseeded stream differs between the runs
         runs.append(rejection_sample(t, drafts[:n], nd[:n], first[:n], dp[:n]).tokens)
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_uniform_batch_verifies_as_with_explicit_rows(greedy):
+    """Uniform batches (every request K drafts, the CUDA-graph layout) take a shorter path, greedy a
+    path of its own: both give what the explicit rows give, unsampleable final rows included."""
+    B, K = 300, 3
+    g = torch.Generator().manual_seed(5)
+    greedy_tokens = torch.randint(0, 3, (B * (K + 1),), generator=g)
+    sampleable = torch.rand(B * (K + 1), generator=g) > 0.1
+    drafts = torch.randint(0, 3, (B, K), generator=g)
+    target = TargetDistribution(greedy_tokens, sampleable)
+    if not greedy:
+        target.greedy = torch.rand(B * (K + 1), generator=g) > 0.5
+        target.probs = torch.softmax(torch.randn(B * (K + 1), V, generator=g), dim=1)
+    explicit = (torch.full((B,), K), torch.arange(B) * (K + 1))
+    torch.manual_seed(3)
+    want = rejection_sample(target, drafts, *explicit)
+    torch.manual_seed(3)
+    got = rejection_sample(target, drafts)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_emitted, want.num_emitted)
+    assert torch.equal(got.accepted_by_position, want.accepted_by_position)
+    assert (want.tokens == NO_TOKEN).any() and (want.num_accepted > 0).any()  # the cases the test is about occur
+
+
+def test_the_graph_head_verifies_a_uniform_greedy_step():
+    """``greedy_verify_head`` (captured in CUDA graphs) emits each sequence's greedy tokens up to its
+    first wrong draft, and NO_TOKEN from an unsampleable row on."""
+    from kvforge.cuda_graphs import greedy_verify_head
+
+    class Identity(torch.nn.Module):
+        def compute_logits(self, hidden):
+            return hidden
+
+    q, V2 = 4, 10
+    logits = torch.full((3 * q, V2), -1.0)
+    argmax = [[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]]
+    for b, row in enumerate(argmax):
+        for j, t in enumerate(row):
+            logits[b * q + j, t] = 1.0
+    logits[2 * q + 1] = float("-inf")  # sequence 2, row 1: nothing to sample
+    ids = torch.tensor([[0, 5, 6, 0], [0, 1, 0, 3], [0, 9, 9, 9]]).flatten()  # own token, then 3 drafts
+    out = greedy_verify_head(Identity(), logits, ids, 3, q)
+    assert out[0].tolist() == [5, 6, 7, NO_TOKEN, 3]  # drafts 5, 6 accepted, then the argmax 7
+    assert out[1].tolist() == [1, 2, NO_TOKEN, NO_TOKEN, 2]  # draft 1 accepted, 0 rejected: emits 2
+    assert out[2].tolist() == [9, NO_TOKEN, NO_TOKEN, NO_TOKEN, 2]  # row 1 unsampleable: it ends there

@@ -125,6 +125,27 @@ def test_n_samples_with_speculation(spec, plain):
         plain.generate(PROMPTS[:3], params, use_tqdm=False))
 
 
+def test_n_samples_joining_a_verification_step(spec, plain, check_no_blocks):
+    """An n = 2 request whose prompt ends in a step that verifies another request's drafts: its fork
+    samples from the same row (it would be lost if the step only sampled the drafting requests)."""
+    eng = spec.llm_engine
+    eng.add_request("long", PROMPTS[5], _greedy(40))
+    for _ in range(20):
+        eng.step()
+        if any(r.draft_token_ids for r in eng.scheduler.running):
+            break
+    assert any(r.draft_token_ids for r in eng.scheduler.running)  # the next step verifies drafts
+    eng.add_request("pair", PROMPTS[6], _greedy(8, n=2))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    want = _tokens(plain.generate([PROMPTS[6]], _greedy(8, n=2), use_tqdm=False))
+    assert done["pair"] == want and len(want) == 2
+    check_no_blocks(eng)
+
+
 def test_seeded_sampling_with_speculation_is_reproducible(spec):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=16, ignore_eos=True)
               for i in range(len(PROMPTS))]

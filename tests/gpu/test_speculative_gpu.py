@@ -32,8 +32,20 @@ def test_ngram_on_cuda_graphs_gives_the_greedy_output(plain_tokens, check_no_blo
     assert tokens == plain_tokens
     graphs = llm.llm_engine.runner.graphs
     assert any(q == 1 + K and n > 0 for (_, q), n in graphs.replays.items()), graphs.replays
+    assert llm.llm_engine.runner.num_graph_verifications > 0  # greedy: verified inside the graphs
     assert llm.llm_engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
     check_no_blocks(llm.llm_engine)
+
+
+def test_sampled_requests_are_verified_by_the_sampler_and_reproducible():
+    spec = {"method": "ngram", "num_speculative_tokens": K, "policy": "fixed"}
+    llm = LLM(device="cuda", dtype="float32", attention_backend="triton", gpu_memory_utilization=0.3,
+              max_model_len=1024, max_num_seqs=16, speculative_config=spec)
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=32, ignore_eos=True) for i in range(len(PROMPTS))]
+    runs = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert llm.llm_engine.runner.num_graph_verifications == 0  # not greedy: the rejection sampler verified
+    assert llm.llm_engine.spec_stats.num_steps > 0
 
 
 def test_draft_model_on_cuda_gives_the_greedy_output(plain_tokens, default_model_path, check_no_blocks):
