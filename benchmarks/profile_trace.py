@@ -41,7 +41,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": edit_prompt(tok, 512, 99)}], params, use_tqdm=False)  # warm-up
     r = eng.runner
-    for obj, names in ((eng, ["step", "_complete", "_propose"]), (eng.scheduler, ["schedule", "update", "advance"]),
+    for obj, names in ((eng, ["step", "_complete"]), (eng.spec, ["propose"] if eng.spec else []), (eng.scheduler, ["schedule", "update", "advance"]),
                        (r, ["launch", "_layout", "_verify", "_sample"]), (eng.outputs, ["process"])):
         for n in names:
             if hasattr(obj, n):

@@ -53,8 +53,8 @@ def main() -> None:
     timed(eng.scheduler, "update", acc)
     timed(eng.runner, "launch", acc)
     timed(eng.outputs, "process", acc)
-    if eng.drafter is not None:
-        timed(eng, "_propose", acc)
+    if eng.spec is not None:
+        timed(eng.spec, "propose", acc)
         timed(eng.runner, "_verify", acc)
     # inside launch
     timed(eng.runner, "_layout", acc)
@@ -63,8 +63,8 @@ def main() -> None:
     if eng.runner.graphs is not None:
         timed(eng.runner.graphs, "replay", acc)
         timed(eng.runner.attn, "update_graph_metadata", acc)
-    from kvforge import model_runner
-    timed(model_runner.StepHandle, "finish", acc)
+    from kvforge import step_handle
+    timed(step_handle.StepHandle, "finish", acc)
     gpu_ms: list[float] = []
     launch = eng.runner.launch
 

@@ -149,5 +149,4 @@ def greedy_verify_head(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.
     from kvforge.rejection_sampler import TargetDistribution, rejection_sample
 
     top, greedy = model.compute_logits(hidden).max(dim=-1)
-    verified = rejection_sample(TargetDistribution(greedy, top > float("-inf")), ids.view(n, q)[:, 1:])
-    return torch.cat([verified.tokens, verified.num_emitted[:, None]], dim=1)
+    return rejection_sample(TargetDistribution(greedy, top > float("-inf")), ids.view(n, q)[:, 1:]).packed()

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from kvforge.builder import component, select_attention_backend, validate_plugin_tables
-from kvforge.config import EngineConfig, build_options
-from kvforge.drafter import DraftBatch
+from kvforge.config import EngineConfig
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
@@ -18,10 +17,11 @@ from kvforge.output_processor import OutputProcessor, ParentState
 from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.request import Request, RequestStatus
-from kvforge.sampler import NO_TOKEN, Sampler
+from kvforge.sampler import NO_TOKEN
 from kvforge.sampling_params import SamplingParams
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
-from kvforge.speculative import SpecDecodeStats, SpeculationPolicy, SpeculativeConfig
+from kvforge.spec_decode import SpecDecoder
+from kvforge.speculative import SpecDecodeStats
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
 
@@ -60,9 +60,11 @@ class LLMEngine:
                             logits_processors=self._logits_processor)
         self.runner = ModelRunner(model, attn, sampler, num_layers=mc.num_hidden_layers,
                                   vocab_size=mc.vocab_size, device=self.device)
-        self.drafter, self.spec_config = self._build_drafter(pm, config, sampler)
-        if self.drafter is not None:
-            self.runner.extra_bytes_per_block = self.drafter.kv_bytes_per_block(config.block_size)
+        self.spec = SpecDecoder.build(pm, config, sampler, vocab_size=mc.vocab_size, device=self.device,
+                                      dtype=self.dtype)
+        self.drafter = self.spec.drafter if self.spec is not None else None
+        if self.spec is not None:
+            self.runner.extra_bytes_per_block = self.spec.kv_bytes_per_block
 
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
@@ -94,7 +96,7 @@ class LLMEngine:
         self.cuda_graph_capture_s = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
-            spec_q = (1 + self.spec_config.num_speculative_tokens,) if self.drafter is not None else ()
+            spec_q = (1 + self.spec.k,) if self.spec is not None else ()
             self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(config.max_num_seqs, max_len, spec_q)
         num_cpu_blocks = self.runner.initialize_swap_space(config.swap_space)
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
@@ -112,38 +114,10 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        self.spec_stats = SpecDecodeStats()
-        self.spec_policy: SpeculationPolicy | None = None
-        if self.drafter is not None:
-            sc = self.spec_config
-            self.spec_stats.accepted_by_position = [0] * sc.num_speculative_tokens
-            knee = sc.knee_tokens or (256 if self.device.type == "cuda" else 16)
-            self.spec_policy = SpeculationPolicy(sc.num_speculative_tokens, sc.policy, knee)
-        self._last_complete = None  # perf_counter() of the last applied step (the policy's step times)
-        self._speculating = False  # the policy asked for drafts for the next step (it runs synchronously)
-        self._proposed: dict[str, int] = {}  # request id -> drafts the drafter proposed for the step (no fillers)
-        self._step_modes: dict[int, bool] = {}  # id(SchedulerOutput) -> whether its step was speculating
+        self.spec_stats = self.spec.stats if self.spec is not None else SpecDecodeStats()
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
                     self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
         pm.hook.engine_created(engine=self)
-
-    def _build_drafter(self, pm: Any, config: EngineConfig, sampler: Any) -> tuple[Any, Any]:
-        """The drafter named by ``speculative_config["method"]``, with its validated options."""
-        if config.speculative_config is None:
-            return None, None
-        sc = SpeculativeConfig.from_dict(config.speculative_config)
-        if type(sampler).target is Sampler.target:
-            raise ValueError(f"speculative_config: sampler {config.sampler!r} does not implement target(), "
-                             "which verifying drafts needs")
-        try:
-            cls = pm.get("drafter", sc.method)
-        except ValueError as exc:
-            raise ValueError(f"speculative_config: method: {exc}") from None
-        options = build_options(cls, sc.method, sc.drafter_options)
-        drafter = cls(num_speculative_tokens=sc.num_speculative_tokens, vocab_size=self.model_config.vocab_size,
-                      device=self.device, dtype=self.dtype, block_size=config.block_size, **options)
-        logger.info("speculative decoding: %s, k=%d, policy %s", sc.method, sc.num_speculative_tokens, sc.policy)
-        return drafter, sc
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is
@@ -322,10 +296,8 @@ class LLMEngine:
         prev = self._inflight  # only ever a step that passed _may_overlap
         self._fail_bad_grammars()
         sched_out = self.scheduler.schedule()
-        if self.drafter is not None:
-            self._step_modes[id(sched_out)] = self._speculating
-            self.drafter.release(sched_out.finished_request_ids)
-            self.spec_policy.release(sched_out.finished_request_ids)
+        if self.spec is not None:
+            self.spec.scheduled(sched_out)
         handle = self.runner.launch(sched_out, self.kv_cache, prev=prev[1] if prev is not None else None)
         for rid, failure in handle.errors.items():  # before advance(): no placeholder for a failed request
             self.fail_request(rid, failure)
@@ -335,64 +307,20 @@ class LLMEngine:
         self._inflight = None
         # speculation: the next step can only verify drafts proposed from this step's tokens, so a
         # step is overlapped only when the policy wants no drafts next
-        k_next = self._next_num_drafts() if self.drafter is not None else 0
-        self._speculating = k_next > 0
+        k_next = self.spec.next_num_drafts(self.scheduler.running) if self.spec is not None else 0
         if (self.async_scheduling and not sched_out.is_empty and self._may_overlap(sched_out)
                 and not sched_out.draft_token_ids and not k_next):
             self._inflight = (sched_out, handle)
         else:
             outputs += self._complete((sched_out, handle))
-            if self.drafter is not None:
-                self._propose(k_next)
+            if self.spec is not None and (decoding := self._decoding()):
+                self.spec.propose(k_next, decoding, self.kv_cache, self.max_model_len, pad=self.runner.graphs is not None)
         return outputs
 
     def _decoding(self) -> list[Request]:
         """Running requests whose next step decodes one token of their own (drafts may join it)."""
         return [r for r in self.scheduler.running if not r.finished and not r.external_tokens
                 and r.num_tokens - r.num_computed_tokens == 1]
-
-    def _next_num_drafts(self) -> int:
-        decoding = [r.request_id for r in self.scheduler.running if not r.external_tokens]
-        return self.spec_policy.num_draft_tokens(decoding)
-
-    def _propose(self, k: int) -> None:
-        """Drafts for the next step: at most ``k`` per decoding request, never past its ``max_tokens``
-        or the context length, cut where its grammar would refuse one."""
-        reqs = self._decoding()
-        if not reqs:
-            return
-        for r in reqs:
-            r.clear_drafts()
-        if k == 0:
-            self.spec_stats.num_steps_without += 1
-            return
-        ks = [max(0, min(k, r.max_tokens - len(r.output_token_ids) - 1, self.max_model_len - r.num_tokens - 1))
-              for r in reqs]
-        if self.runner.extra_bytes_per_block:  # a drafter with its own KV cache writes k - 1 positions ahead
-            ks = [kk if kk == 0 or self.kv_cache.allocate_slots(r, kk) else 0 for r, kk in zip(reqs, ks)]
-        tables = [self.kv_cache.block_table(r.request_id) for r in reqs]
-        proposal = self.drafter.propose(DraftBatch(reqs, ks, tables))
-        probs = proposal.draft_probs or [None] * len(reqs)
-        runs = []
-        for r, kk, drafts in zip(reqs, ks, proposal.token_ids):
-            drafts = list(drafts[:kk])
-            if drafts and r.grammar is not None:
-                drafts = drafts[:r.grammar.valid_prefix(drafts)]
-            runs.append(drafts)
-        self._proposed = {r.request_id: len(d) for r, d in zip(reqs, runs)}
-        # with CUDA graphs, verification steps replay a graph when every request has k drafts: fill short
-        # runs up (a filler is verified like any draft, so it costs compute, never correctness). When
-        # the drafter found nothing at all, the step is a plain decode step.
-        pad = (self.runner.graphs is not None and k == self.spec_config.num_speculative_tokens
-               and any(runs) and not any(r.grammar is not None for r in reqs))
-        for r, kk, drafts, q in zip(reqs, ks, runs, probs):
-            if not drafts and not pad:  # nothing to verify: the drafter's miss counts as a rejection
-                self.spec_policy.observe(r.request_id, 0, 0)
-            n = len(drafts)
-            if pad and n < kk:
-                drafts = drafts + [drafts[-1] if drafts else r.all_token_ids[-1]] * (kk - n)
-            r.draft_token_ids = drafts
-            r.draft_probs = q[:n] if q is not None and n else None
 
     @staticmethod
     def _may_overlap(sched_out: SchedulerOutput) -> bool:
@@ -415,10 +343,8 @@ class LLMEngine:
         for rid in [rid for rid, toks in sampled.items() if toks[-1] == NO_TOKEN]:
             del sampled[rid]
             self.fail_request(rid, NOTHING_TO_SAMPLE)
-        if self.drafter is not None:
-            self._record_step(sched_out, sampled)
-        if sched_out.draft_token_ids:
-            self._record_acceptance(sched_out.draft_token_ids, sampled)
+        if self.spec is not None:
+            self.spec.record(sched_out, sampled)
         before = {r.request_id: len(r.output_token_ids) - r.num_placeholders for r in sched_out.scheduled}
         updated = self.scheduler.update(sched_out, runner_out)
         for req in updated:
@@ -427,30 +353,6 @@ class LLMEngine:
             self.num_generation_tokens += len(req.output_token_ids) - before.get(req.request_id, 0)
         self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if before.get(r.request_id, 0) == 0)
         return self.outputs.process(updated, runner_out, self._stop_by_string, self.fail_request)
-
-    def _record_step(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
-        """Tell the policy what a decode-only step cost (wall time since the previous applied step)."""
-        now = time.perf_counter()
-        last, self._last_complete = self._last_complete, now
-        drafts = sched_out.draft_token_ids
-        decode_only = all(sched_out.num_scheduled_tokens[r.request_id] == 1 + len(drafts.get(r.request_id, ()))
-                          for r in sched_out.scheduled)
-        # the step's mode is what the policy decided for it (a speculating step runs synchronously and
-        # pays for the drafter even when the drafter found nothing)
-        speculating = self._step_modes.pop(id(sched_out), bool(drafts))
-        if last is not None and decode_only and sched_out.scheduled:
-            self.spec_policy.record_step(len(sched_out.scheduled), speculating, now - last)
-
-    def _record_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
-        self.spec_stats.num_steps += 1
-        for rid, d in drafts.items():
-            tokens = sampled.get(rid)
-            if tokens is not None and d:
-                proposed = self._proposed.get(rid, len(d))  # the rest are fillers (see _propose)
-                accepted = min(len(tokens) - 1, proposed)
-                if proposed:
-                    self.spec_stats.record(proposed, accepted)
-                self.spec_policy.observe(rid, proposed, accepted)
 
     def _advance_grammar(self, req: Request) -> None:
         """Advance the grammar by the step's new tokens (several when drafts were accepted)."""
@@ -503,7 +405,7 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
-                "spec_decode": self.spec_stats.as_dict() if self.drafter is not None else None}
+                "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None}
 
 
 def _check_sliding_window(window: int | None, max_len: int, explicit: bool) -> int:

@@ -4,18 +4,18 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvforge.attention import AttentionBackend, BatchLayout
 from kvforge.errors import RequestFailure, is_device_error
-from kvforge.input_buffers import StagingBuffers, d2h, h2d
+from kvforge.input_buffers import StagingBuffers, h2d
 from kvforge.kv_cache import KVCacheManager
 from kvforge.rejection_sampler import VerifiedTokens, rejection_sample
 from kvforge.sampler import DraftRow, Sampler
-from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvforge.step_handle import StepHandle, logprob_tensors
 from kvforge.swap import CPUSwapSpace
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class ModelRunner:
         rows = min(max(max_num_seqs, self.prompt_logprobs_rows()), n)  # sampling, or a prompt-logprobs slice
         logits = self.model.compute_logits(hidden[:rows]).float()
         torch.softmax(logits, dim=-1).sort(dim=-1)
-        _logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
+        logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
         del caches, hidden, logits, meta
@@ -181,7 +181,7 @@ class ModelRunner:
         self._prompt_logprobs(out, layout, hidden, handle)
         if (sample_reqs and row_counts is not None and head is not None and dense
                 and all(self.sampler.plain_greedy(r) for r in sample_reqs)):
-            handle.set_verified_rows(head[:len(sample_reqs)], sample_reqs)  # verified inside the graph
+            handle.set_verified(head[:len(sample_reqs)], sample_reqs)  # verified inside the graph
             self.num_graph_verifications += 1
         elif sample_reqs and row_counts is not None:  # the step verifies drafts
             n = sum(row_counts)
@@ -206,7 +206,7 @@ class ModelRunner:
             if want:
                 k = max(sample_reqs[i].sampling_params.logprobs for i in want)
                 idx = h2d(want, torch.long, dev)
-                handle.logprobs = ([sample_reqs[i] for i in want], _logprob_tensors(logits[idx], tokens[idx], k))
+                handle.logprobs = ([sample_reqs[i] for i in want], logprob_tensors(logits[idx], tokens[idx], k))
         handle.finish()
         return handle
 
@@ -255,7 +255,7 @@ class ModelRunner:
                     handle.errors[req.request_id] = RequestFailure.from_exception(exc, "sampling")
                 start += c
             verified = VerifiedTokens(tokens, emitted, emitted - 1)
-        handle.set_verified(verified, reqs, counts)
+        handle.set_verified(verified.packed(), reqs)
         want = [b for b, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         if want:
             first = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -264,7 +264,7 @@ class ModelRunner:
             rows = np.concatenate([first[b] + np.arange(counts[b]) for b in want])
             row_tokens = verified.tokens[h2d(row_b, torch.long, self.device), h2d(row_j, torch.long, self.device)]
             k = max(reqs[b].sampling_params.logprobs for b in want)
-            handle.logprobs = ([reqs[b] for b in want], _logprob_tensors(
+            handle.logprobs = ([reqs[b] for b in want], logprob_tensors(
                 logits[h2d(rows, torch.long, self.device)], row_tokens.clamp_min(0), k))
             handle.logprob_rows = [counts[b] for b in want]
 
@@ -335,7 +335,7 @@ class ModelRunner:
         # NOTE: [rows, vocab] float32 logits for a whole prompt chunk could take gigabytes: compute
         # them a bounded slice at a time (the memory profile runs one slice of this size)
         step = self.prompt_logprobs_rows()
-        parts = [_logprob_tensors(self.model.compute_logits(hidden[rows_dev[i:i + step]]).float(),
+        parts = [logprob_tensors(self.model.compute_logits(hidden[rows_dev[i:i + step]]).float(),
                                   targets_dev[i:i + step], k) for i in range(0, len(rows), step)]
         handle.prompt_logprobs = (spans, {key: torch.cat([p[key] for p in parts]) for key in parts[0]})
 
@@ -438,112 +438,6 @@ class ModelRunner:
         return buf, layout, sample_reqs, fills, None, not num_forks and len(sample_reqs) == total
 
 
-class StepHandle:
-    """A launched step: its sampled tokens on the device (for the next step's placeholders) and, once
-    :meth:`result` has waited for them, on the host."""
-
-    def __init__(self, buf: Any, device: torch.device):
-        self.buf, self.device = buf, device
-        self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
-        self.sample_reqs: list = []
-        self.logprobs: tuple | None = None  # (requests, tensors of _logprob_tensors)
-        self.prompt_logprobs: tuple | None = None  # (spans, tensors)
-        self.errors: dict[str, RequestFailure] = {}  # requests whose sampling failed (known at launch)
-        self.verified: tuple | None = None  # (VerifiedTokens, counts) when the step verified drafts
-        self.verified_rows: torch.Tensor | None = None  # [B, q + 1] from a graph's head (CUDAGraphRunner.head)
-        self.logprob_rows: list[int] | None = None  # with drafts: rows of logprobs per request of self.logprobs
-        self.event: torch.cuda.Event | None = None
-        self._host: dict[str, Any] = {}
-        self._result: ModelRunnerOutput | None = None
-
-    @classmethod
-    def done(cls, result: ModelRunnerOutput) -> "StepHandle":
-        h = cls(None, torch.device("cpu"))
-        h._result = result
-        return h
-
-    def set_tokens(self, tokens: torch.Tensor, reqs: list, sampled: torch.Tensor | None = None) -> None:
-        """``tokens``: valid ids for the device to read; ``sampled`` (default ``tokens``): what the host
-        gets, with ``NO_TOKEN`` for rows where nothing could be sampled."""
-        self.tokens, self.sample_reqs = tokens, reqs
-        self._sampled = tokens if sampled is None else sampled
-
-    def set_verified(self, verified: VerifiedTokens, reqs: list, counts: list[int]) -> None:
-        """A step that verified drafts: each request's emitted tokens. (Such a step is never left in
-        flight, so no later step reads its tokens on the device.)"""
-        self.sample_reqs, self._sampled = reqs, None
-        self.verified = (verified, counts)
-
-    def set_verified_rows(self, rows: torch.Tensor, reqs: list) -> None:
-        """A step verified inside its CUDA graph: row b is request b's emitted tokens, then their count."""
-        self.sample_reqs, self._sampled = reqs, None
-        self.verified_rows = rows
-
-    def finish(self) -> None:
-        """Queue the copies of the results to the host (pinned memory on CUDA) and mark their end."""
-        cuda = self.device.type == "cuda"
-        if self.verified_rows is not None:
-            self._host["verified_rows"] = d2h(self.verified_rows)
-        elif self.verified is not None:
-            v = self.verified[0]  # one copy: [B, K + 1] tokens, then [B] counts
-            self._host["verified"] = d2h(torch.cat([v.tokens.flatten(), v.num_emitted]))
-        elif self.tokens is not None:
-            dst = self.buf.tensors["sampled"][:len(self.sample_reqs)]
-            dst.copy_(self._sampled, non_blocking=cuda)
-            self._host["tokens"] = dst
-        for key in ("logprobs", "prompt_logprobs"):
-            part = getattr(self, key)
-            if part is not None:
-                self._host[key] = {name: d2h(t) for name, t in part[1].items()}
-        if cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the step (only for its own work: later steps may already be queued) and convert."""
-        if self._result is not None:
-            return self._result
-        if self.event is not None:
-            self.event.synchronize()
-        res = ModelRunnerOutput()
-        if self.verified_rows is not None:
-            res.sampled_token_ids = {r.request_id: row[:row[-1]] for r, row in
-                                     zip(self.sample_reqs, self._host["verified_rows"].tolist())}
-        elif self.verified is not None:
-            B = len(self.sample_reqs)
-            flat = self._host["verified"].tolist()
-            width = (len(flat) - B) // B
-            res.sampled_token_ids = {r.request_id: flat[b * width:b * width + n] for b, (r, n) in
-                                     enumerate(zip(self.sample_reqs, flat[B * width:]))}
-        elif self.tokens is not None:
-            res.sampled_token_ids = {r.request_id: [t] for r, t in zip(self.sample_reqs, self._host["tokens"].tolist())}
-        if self.logprobs is not None:
-            reqs, entries = self.logprobs[0], _logprob_entries(self._host["logprobs"])
-            counts = self.logprob_rows or [1] * len(reqs)
-            start = 0
-            for req, c in zip(reqs, counts):
-                n = req.sampling_params.logprobs
-                mine = entries[start:start + min(c, len(res.sampled_token_ids.get(req.request_id, ())))]
-                start += c
-                for entry in mine:
-                    entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
-                res.logprobs[req.request_id] = mine
-        if self.prompt_logprobs is not None:
-            spans = self.prompt_logprobs[0]
-            entries = _logprob_entries(self._host["prompt_logprobs"])
-            pos = 0
-            for r, start, n in spans:
-                mine = entries[pos:pos + n]
-                pos += n
-                for e in mine:
-                    e.top_ids = e.top_ids[:r.sampling_params.prompt_logprobs]
-                    e.top_logprobs = e.top_logprobs[:r.sampling_params.prompt_logprobs]
-                res.prompt_logprobs[r.request_id] = (start + 1, mine)  # entry j: prompt position start + 1 + j
-        self._result = res
-        self.buf = None
-        return res
-
-
 def _prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayout:
     """Layout of fresh prefills, sequence i owning blocks [i*blocks_per_seq, (i+1)*blocks_per_seq)."""
     qsl = np.zeros(len(lens) + 1, dtype=np.int32)
@@ -552,24 +446,3 @@ def _prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayou
     slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
                             for i, n in enumerate(lens)])
     return BatchLayout(qsl, np.array(lens, dtype=np.int32), tables, slots)
-
-
-def _logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Log-softmax of raw logits [rows, vocab]: each row's chosen token's value and rank, and the top k
-    (device tensors; :func:`_logprob_entries` reads their host copies)."""
-    lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
-    out = {"tokens": tokens, "chosen": chosen, "rank": (lp > chosen[:, None]).sum(dim=1) + 1}
-    if k > 0:
-        out["top_v"], out["top_i"] = lp.topk(k, dim=-1)
-    return out
-
-
-def _logprob_entries(t: dict[str, torch.Tensor]) -> list[TokenLogprobs]:
-    tokens = t["tokens"].tolist()
-    if "top_v" in t:
-        top_v, top_i = t["top_v"].tolist(), t["top_i"].tolist()
-    else:
-        top_v = top_i = [[] for _ in tokens]
-    return [TokenLogprobs(tok, c, rk, ti, tv) for tok, c, rk, ti, tv in
-            zip(tokens, t["chosen"].tolist(), t["rank"].tolist(), top_i, top_v)]

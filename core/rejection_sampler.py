@@ -42,6 +42,10 @@ class VerifiedTokens:
     num_emitted: torch.Tensor  # [B] int64: accepted drafts + 1 (the last is NO_TOKEN if nothing could be sampled)
     num_accepted: torch.Tensor  # [B] int64
 
+    def packed(self) -> torch.Tensor:
+        """[B, K + 2] int64: row b is request b's ``tokens``, then its ``num_emitted`` (one copy to the host)."""
+        return torch.cat([self.tokens, self.num_emitted[:, None]], dim=1)
+
     @property
     def accepted_by_position(self) -> torch.Tensor:
         """[K] int64: requests whose draft at position j was accepted (drafts are accepted as a run)."""

@@ -159,29 +159,28 @@ class PagedKVCacheManager(KVCacheManager):
         table = self.tables.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
         self.hashes.pop(request_id, None)
-        if table is None:
-            return
-        # NOTE: tail blocks first, so a prefix's head outlives its tail in the LRU.
-        for block_id in reversed(table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
+        if table is not None:
+            self._release(table)
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
         table = self.tables.get(request_id)
         keep = -(-num_tokens // self.block_size)
         if table is None or len(table) <= keep:
             return
-        for block_id in reversed(table[keep:]):
+        self._release(table[keep:])  # never hashed: only unknown (draft) positions were in them
+        del table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; a block nobody holds joins the free queue, at its
+        eviction end unless it is cached (hashed)."""
+        # NOTE: tail blocks first, so a prefix's head outlives its tail in the LRU.
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:  # never hashed: only unknown (draft) positions were in it
+            if block.ref_count == 0:
                 self.free_queue[block_id] = None
-                self.free_queue.move_to_end(block_id, last=False)
-        del table[keep:]
+                if block.hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         if parent_id not in self.tables:
