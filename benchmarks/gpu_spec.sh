@@ -3,12 +3,14 @@
 # figures of docs/speculative.md, speculation off and on side by side, each row a fresh process.
 #   tpot        batch 1, the default model, the `edit` dataset (copying is common), ngram k=4 and k=8: TPOT
 #   throughput  dummy:llama-3-8b, 64 and 256 requests x 512 in x 256 out, ngram k=4, policy auto
-#   bash benchmarks/gpu_spec.sh [all|tpot|throughput]
+#   draft       draft_model, dummy:llama-3.2-1b drafting for dummy:llama-3-8b, k=4, batch 1 and 16: the
+#               drafting overhead, and the speedup at 50/70/90% acceptance (benchmarks/spec_oracle.py)
+#   bash benchmarks/gpu_spec.sh [all|tpot|throughput|draft]
 # JSON and tables go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 what=${1:-all}
-case $what in all|tpot|throughput) ;; *) echo "usage: $0 [all|tpot|throughput]" >&2; exit 2 ;; esac
+case $what in all|tpot|throughput|draft) ;; *) echo "usage: $0 [all|tpot|throughput|draft]" >&2; exit 2 ;; esac
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
@@ -28,5 +30,19 @@ if [[ $what == all || $what == throughput ]]; then
     T=(throughput --model dummy:llama-3-8b --num-prompts $n --input-len 512 --output-len 256)
     run "tp$n-off" 150 "${T[@]}"
     run "tp$n-ngram" 150 "${T[@]}" --speculative-config "$NGRAM"
+  done
+fi
+if [[ $what == all || $what == draft ]]; then
+  for b in 1 16; do
+    o=(--batch-size $b --input-len 512 --output-len 256)
+    one() {  # one NAME ARGS...: a fresh process, its JSON line to $out/NAME.json
+      local name=$1; shift
+      timeout 150 python3 benchmarks/spec_oracle.py "$@" "${o[@]}" 2>&1 | grep '^{' | tee "$out/$name.json"
+    }
+    one "draft$b-off-plain" off --no-force
+    one "draft$b-off" off
+    one "draft$b-draft" draft
+    one "draft$b-phases" draft --phases
+    for a in 0.5 0.7 0.9; do one "draft$b-oracle$a" oracle --acceptance $a; done
   done
 fi

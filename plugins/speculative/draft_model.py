@@ -20,6 +20,7 @@ import torch
 from kvforge.attention import BatchLayout
 from kvforge.builder import select_attention_backend
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
+from kvforge.input_buffers import HostInputs, h2d
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
 
@@ -62,6 +63,7 @@ class DraftModelDrafter(Drafter):
         self.enforce_eager = enforce_eager
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: Any = None
+        self.staging: list[HostInputs] = []
         self.computed: dict[str, tuple[int, int]] = {}  # request -> (tokens with draft K/V, its preemptions then)
         self.generators: dict[str, torch.Generator] = {}
         logger.info("draft model %s (%d layers) on attention backend %s", src.name, mc.num_hidden_layers, name)
@@ -78,9 +80,16 @@ class DraftModelDrafter(Drafter):
                 and type(self.attn).capabilities.supports_cuda_graphs):
             from kvforge.cuda_graphs import CUDAGraphRunner
 
+            # q=1: the decode steps, and a catch-up of one new token; q=2: a catch-up after a fully
+            # accepted run (the last draft and the target's bonus token)
             self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
-                                          max_model_len=max_model_len, device=self.device)
+                                          max_model_len=max_model_len, device=self.device, query_lens=(1, 2))
             self.graphs.capture()
+            # one set of pinned host buffers per forward of a proposal (catch-up, then k - 1 decode
+            # steps): their copies to the device stay queued while the next forward is prepared
+            top = self.graphs.sizes[-1]
+            self.staging = [HostInputs(2 * top, top, self.max_blocks, pin=True)
+                            for _ in range(self.num_speculative_tokens)]
 
     def release(self, request_ids) -> None:
         for rid in request_ids:
@@ -104,86 +113,118 @@ class DraftModelDrafter(Drafter):
             # K/V from before a preemption are gone (blocks freed or swapped); past num_tokens - 1 they
             # belong to drafts that may have been rejected
             starts.append(min(seen, r.num_tokens - 1) if preempted == r.num_preemptions else 0)
+        num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        lens = num_tokens - np.array(starts, dtype=np.int64)
+        if self.graphs is not None and lens.max() == 2 and lens.min() == 1:
+            lens[:] = 2  # one catch-up graph for all: a 1-token catch-up recomputes the token before it
         # catch up: every token not yet seen, up to the newest; its last row gives draft 1
-        chunks = [r.tokens(s, r.num_tokens) for r, s in zip(reqs, starts)]
-        lens = np.array([len(c) for c in chunks], dtype=np.int64)
-        positions = np.concatenate([np.arange(s, r.num_tokens) for r, s in zip(reqs, starts)])
-        seq_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        hidden = self._forward(np.concatenate(chunks), positions, lens, seq_lens, tables, decode=False)
-        last_rows = torch.from_numpy(np.cumsum(lens) - 1).to(self.device)
-        drafts = [[] for _ in reqs]
+        starts = num_tokens - lens
+        chunks = [r.tokens(int(s), r.num_tokens) for r, s in zip(reqs, starts)]
+        positions = np.concatenate([np.arange(s, n) for s, n in zip(starts, num_tokens)])
+        hidden = self._forward(np.concatenate(chunks), positions, lens, num_tokens, tables, stage=0)
+        if lens.max() == lens.min():  # uniform: the last row of each is every q-th
+            last = hidden.view(len(reqs), int(lens[0]), -1)[:, -1]
+        else:
+            last = hidden[h2d(np.cumsum(lens) - 1, torch.long, self.device)]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        tok = self._draw(hidden[last_rows], reqs, qs)
-        for i, t in enumerate(tok):
-            drafts[i].append(t)
+        # the drafts stay on the device until the last step (one copy back): each decode step reads
+        # the previous step's tokens there, so the host queues the steps without waiting for them
+        tok = self._draw(last, reqs, qs)
+        steps: list[tuple[list[int], torch.Tensor]] = [(list(range(len(reqs))), tok)]
         for j in range(1, max(ks)):  # decode steps: draft j at position num_tokens + j - 1
-            live = [i for i, k in enumerate(ks) if k > j]
-            ids = np.array([drafts[i][-1] for i in live], dtype=np.int64)
-            pos = np.array([reqs[i].num_tokens + j - 1 for i in live], dtype=np.int64)
-            hidden = self._forward(ids, pos, np.ones(len(live), dtype=np.int64), pos + 1,
-                                   [tables[i] for i in live], decode=True)
-            sub = [reqs[i] for i in live]
-            sub_q: list[list[torch.Tensor]] = [qs[i] for i in live]
-            for i, t in zip(live, self._draw(hidden, sub, sub_q)):
-                drafts[i].append(t)
+            prev = steps[-1][0]
+            live = [i for i in prev if ks[i] > j]
+            if len(live) < len(prev):
+                keep = [n for n, i in enumerate(prev) if ks[i] > j]
+                tok = tok[h2d(keep, torch.long, self.device)]
+            pos = num_tokens[live] + j - 1
+            hidden = self._forward(tok, pos, np.ones(len(live), dtype=np.int64), pos + 1,
+                                   [tables[i] for i in live], stage=j)
+            tok = self._draw(hidden, [reqs[i] for i in live], [qs[i] for i in live])
+            steps.append((live, tok))
+        flat = torch.cat([t for _, t in steps]).tolist()
+        drafts: list[list[int]] = [[] for _ in reqs]
+        at = 0
+        for live, _ in steps:
+            for i in live:
+                drafts[i].append(flat[at])
+                at += 1
         for i, (b, r, k) in enumerate(zip(active, reqs, ks)):
             self.computed[r.request_id] = (r.num_tokens + k - 1, r.num_preemptions)
             token_ids[b] = drafts[i]
             probs[b] = torch.stack(qs[i]) if qs[i] else None
         return DraftProposal(token_ids, probs)
 
-    def _forward(self, ids: np.ndarray, positions: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray,
-                 tables: list[list[int]], decode: bool) -> torch.Tensor:
-        """One draft forward over a varlen batch; returns hidden states [tokens, hidden]."""
+    def _forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, q_lens: np.ndarray,
+                 seq_lens: np.ndarray, tables: list[list[int]], stage: int) -> torch.Tensor:
+        """One draft forward over a varlen batch (``ids`` on the host or the device); returns hidden
+        states [tokens, hidden]. A uniform batch of a captured query length replays a CUDA graph,
+        its inputs staged in the pinned buffers of ``stage``."""
         n = len(q_lens)
-        bs = self.block_size
-        width = self.max_blocks
-        size = None
-        if decode and self.graphs is not None and n <= self.graphs.sizes[-1]:
-            size = next(s for s in self.graphs.sizes if s >= n)
-        rows = size or n
-        qsl = np.zeros(rows + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qsl[1:n + 1])
-        block_tables = np.zeros((rows, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t[:width]
-        seq_of_token = np.repeat(np.arange(n), q_lens)
-        slots = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
-        lens = np.ones(rows, dtype=np.int32)
+        q = int(q_lens[0])
+        g = self.graphs
+        sizes = g.sizes_for.get(q) if g is not None else None
+        if not sizes or n > sizes[-1] or (q_lens != q).any():
+            block_tables = self._block_tables(np.zeros((n, self.max_blocks), dtype=np.int32), tables)
+            qsl = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(q_lens, out=qsl[1:])
+            layout = BatchLayout(qsl, seq_lens.astype(np.int32), block_tables,
+                                 self._slots(block_tables, q_lens, positions))
+            meta = self.attn.build_metadata(layout)
+            ids_t = ids if isinstance(ids, torch.Tensor) else h2d(ids, torch.long, self.device)
+            return self.model(ids_t, h2d(positions, torch.long, self.device), self.kv_caches, meta)
+        rows = next(s for s in sizes if s >= n)  # padding rows: context q, nothing written (slot -1)
+        tokens = rows * q
+        buf = self.staging[stage]
+        block_tables = self._block_tables(buf.block_tables(rows, self.max_blocks), tables)
+        slots = buf.np["slot_mapping"][:tokens]
+        slots.fill(-1)
+        slots[:n * q] = self._slots(block_tables, q_lens, positions)
+        lens = buf.np["seq_lens"][:rows]
+        lens.fill(q)
         lens[:n] = seq_lens
-        if size is not None:  # padding rows: one token each, context 1, nothing written
-            qsl[n + 1:] = qsl[n] + np.arange(1, rows - n + 1)
-            slots = np.concatenate([slots, np.full(rows - n, -1, dtype=np.int64)])
-            layout = BatchLayout(qsl, lens, block_tables, slots)
-            self.graphs.input_ids[:rows].zero_()
-            self.graphs.input_ids[:n].copy_(torch.from_numpy(ids))
-            self.graphs.positions[:rows].zero_()
-            self.graphs.positions[:n].copy_(torch.from_numpy(positions))
-            return self.graphs.replay(layout)[:n]
-        layout = BatchLayout(qsl, lens, block_tables, slots)
-        meta = self.attn.build_metadata(layout)
-        ids_t = torch.from_numpy(ids).to(self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
-        return self.model(ids_t, pos_t, self.kv_caches, meta)
+        qsl = buf.np["query_start_loc"][:rows + 1]
+        qsl[:] = np.arange(rows + 1) * q
+        pos = buf.np["positions"][:tokens]
+        pos.fill(0)
+        pos[:n * q] = positions
+        g.positions[:tokens].copy_(buf.tensors["positions"][:tokens], non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            g.input_ids[:n * q].copy_(ids)
+        else:
+            buf.np["input_ids"][:n * q] = ids
+            g.input_ids[:n * q].copy_(buf.tensors["input_ids"][:n * q], non_blocking=True)
+        return g.replay(BatchLayout(qsl, lens, block_tables, slots))[:n * q]
 
-    def _draw(self, hidden: torch.Tensor, reqs: list, qs: list[list[torch.Tensor]]) -> list[int]:
-        """One draft token per row: the argmax for greedy requests; for sampled ones a token drawn at the
-        request's temperature, its distribution appended to ``qs[i]``."""
+    def _block_tables(self, out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
+        for i, t in enumerate(tables):
+            out[i, :len(t)] = t[:self.max_blocks]
+        return out
+
+    def _slots(self, block_tables: np.ndarray, q_lens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        bs = self.block_size
+        return block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+    def _draw(self, hidden: torch.Tensor, reqs: list, qs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """One draft token per row, on the device: the argmax for greedy requests; for sampled ones a
+        token drawn at the request's temperature, its distribution appended to ``qs[i]``."""
         logits = self.model.compute_logits(hidden).float()
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if r.sampling_params.temperature > 0]
         if sampled:
-            temps = torch.tensor([reqs[i].sampling_params.temperature for i in sampled], device=self.device)
-            probs = torch.softmax(logits[sampled] / temps[:, None], dim=-1)
+            rows = h2d(sampled, torch.long, self.device)
+            temps = h2d([reqs[i].sampling_params.temperature for i in sampled], torch.float32, self.device)
+            probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)
             noise = torch.empty_like(probs).exponential_()
             for row, i in enumerate(sampled):
                 gen = self._generator(reqs[i])
                 if gen is not None:
                     noise[row].exponential_(generator=gen)
-            tokens[sampled] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
             for row, i in enumerate(sampled):
                 qs[i].append(probs[row])
-        return tokens.tolist()
+        return tokens
 
     def _generator(self, req: Any) -> torch.Generator | None:
         """Seeded requests draft from their own stream, so their drafts (and outputs) repeat run to run."""
