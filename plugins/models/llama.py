@@ -3,7 +3,9 @@
 The numerics follow Hugging Face's implementation (RMSNorm in float32, neox-style RoPE from a float32
 cos/sin cache, residual adds in the model dtype) so that logits match ``transformers`` to float noise.
 Q/K/V and gate/up projections are fused; :data:`STACKED_PARAMS` tells :meth:`LlamaForCausalLM.load_weights`
-where each checkpoint tensor goes.
+where each checkpoint tensor goes. The layers are ``kvforge.layers``' parallel ones, which own their
+weight loading and split themselves over the tensor-parallel group the model is built in: this
+file never branches on tensor parallelism.
 """
 from __future__ import annotations
 
@@ -12,10 +14,18 @@ import math
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.attention import AttentionBackend, AttentionMetadata
+from kvforge.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from kvforge.layers.vocab import vocab_parallel_logits
 from kvforge.model_config import ModelConfig
 from kvforge.plugins.models import fused_ops
 
@@ -101,20 +111,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn = attn  # shared by all layers; not a module
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        # rows: q [q_size] | k [kv_size] | v [kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-
-    def shard_range(self, shard: str | int) -> tuple[int, int]:
-        """(row offset, rows) of a q/k/v shard inside qkv_proj."""
-        return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                "v": (self.q_size + self.kv_size, self.kv_size)}[shard]  # type: ignore[index]
+        hd = self.head_dim = config.head_dim
+        # rows: q | k | v of this rank's heads (kvforge.parallel_state.head_shard)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        shard = self.qkv_proj.shard
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
+                                        bias=config.attention_out_bias, input_part=(shard.q_start * hd, self.q_size))
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: Callable,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -133,13 +141,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        # rows: gate [intermediate] | up [intermediate]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def shard_range(self, shard: str | int) -> tuple[int, int]:
-        return int(shard) * self.intermediate_size, self.intermediate_size
+        # rows: gate | up (this rank's part of each)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))  # gate_up: [T, 2 * intermediate]
@@ -171,7 +175,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn: AttentionBackend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -194,57 +198,40 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, attn)
         # tied: logits use embed_tokens.weight and the checkpoint's lm_head.weight (if any) is skipped
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 (flat varlen batch) -> hidden [num_tokens, hidden_size]."""
         return self.model(input_ids, positions, kv_caches, attn_meta)
 
-    _fp32_logits_mm = True  # torch.mm(..., out_dtype=float32) is available (CUDA, recent torch)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if hidden.is_cuda and hidden.dtype != torch.float32 and self._fp32_logits_mm:
-            # bf16 inputs, fp32 output straight from the matmul's accumulator: rounding logits to
-            # bf16 would create exact ties between top tokens (a step of 0.06-0.25 at typical sizes)
-            try:
-                return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-            except (RuntimeError, TypeError):
-                type(self)._fp32_logits_mm = False
-        return F.linear(hidden, weight).float()
+        """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every tensor-parallel rank)."""
+        return vocab_parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused) parameters; ValueError on an unknown name,
         a shape mismatch, or parameters left unfilled."""
         params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
         loaded: set[tuple[str, str | int | None]] = set()
         for name, w in weights:
             if name.endswith(IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, module_name = module_path.rpartition(".")
+            key: tuple[str, str | int | None] = (name, None)
             if module_name in STACKED_PARAMS:
                 fused, shard = STACKED_PARAMS[module_name]
-                pname = f"{parent}.{fused}.{leaf}"
-                owner = modules.get(parent)
-                if pname not in params or owner is None:
-                    raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
-                offset, rows = owner.shard_range(shard)
-                target = params[pname].narrow(0, offset, rows)
-                key: tuple[str, str | int | None] = (pname, shard)
-            elif name in params:
-                target, key = params[name], (name, None)
-            else:
+                key = (f"{parent}.{fused}.{leaf}", shard)
+            param = params.get(key[0])
+            if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
-            if tuple(w.shape) != tuple(target.shape):
-                raise ValueError(f"checkpoint weight {name!r} has shape {tuple(w.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(w)
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:  # each layer copies its own part (of its own shard, under tensor parallelism)
+                loader(param, w, key[1])
+            except ValueError as exc:
+                raise ValueError(f"checkpoint weight {name!r}: {exc}") from None
             loaded.add(key)
         missing = [f"{n}[{s}]" if s is not None else n
                    for n, s in self._expected_keys() if (n, s) not in loaded]

@@ -1,0 +1,101 @@
+"""The tensor-parallel group a model is built for, how its dimensions split, and the collectives.
+
+A model's parallel layers (``kvforge.layers``) read :func:`current` once, when they are constructed,
+and keep that group: the engine builds the target model inside ``building(group)`` and a draft model
+outside it (unsharded), so two models of one process can live in different groups. Nothing is looked
+up globally at run time. With a group of size 1 every collective is a no-op (docs/distributed.md).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group: ``rank`` of ``size``; ``group`` is the
+    ``torch.distributed`` process group (None with size 1)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns it."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` (same shape on all ranks) along the last dimension."""
+        if self.size == 1:
+            return x
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=self.group)  # rank-major rows
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+
+SINGLE = TPGroup()
+_current: TPGroup = SINGLE
+
+
+def current() -> TPGroup:
+    """The group of the model being built (``SINGLE`` outside :func:`building`)."""
+    return _current
+
+
+@contextlib.contextmanager
+def building(group: TPGroup) -> Iterator[TPGroup]:
+    """Layers constructed inside belong to ``group``."""
+    global _current
+    old, _current = _current, group
+    try:
+        yield group
+    finally:
+        _current = old
+
+
+def split(n: int, size: int, rank: int) -> tuple[int, int]:
+    """(start, count) of rank's part when n items split as evenly as possible (the first n % size
+    ranks get one more)."""
+    base, extra = divmod(n, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads of one rank: query heads [q_start, q_start + num_heads) and KV heads
+    [kv_start, kv_start + num_kv_heads) of the model's."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadShard:
+    """Split attention by KV-head groups (each query head stays with its KV head).
+
+    With at least as many KV heads as ranks, the KV heads split as evenly as possible, and each
+    rank takes the query heads of its KV heads: uneven when the count does not divide (the default
+    model's 3 KV heads over 2 ranks: 2 and 1), never wrong. With fewer KV heads than ranks, each KV
+    head is replicated on ``size / num_kv_heads`` ranks, which split its query heads evenly.
+    """
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"attention: {num_heads} query heads do not form groups over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= size:
+        kv_start, kv_count = split(num_kv_heads, size, rank)
+        return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+    if size % num_kv_heads or group % (size // num_kv_heads):
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split {num_heads} query heads over {num_kv_heads} KV heads: "
+            f"with fewer KV heads than ranks, tensor_parallel_size must be a multiple of the KV heads and "
+            f"each KV head's {group} query heads must split evenly over its {size // max(num_kv_heads, 1)} ranks")
+    replicas = size // num_kv_heads
+    kv = rank // replicas
+    per_rank = group // replicas
+    return HeadShard(kv * group + (rank % replicas) * per_rank, per_rank, kv, 1)
