@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvforge.speculative import SpecDecodeStats
+
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -34,8 +36,8 @@ def from_metrics(text: str) -> dict | None:
 
 
 def derived(d: dict) -> dict:
-    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
-    d["mean_accepted_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    stats = SpecDecodeStats(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"])
+    d["acceptance_rate"], d["mean_accepted_length"] = stats.acceptance_rate, stats.mean_accepted_length
     n = d["num_drafts"]
     d["acceptance_by_position"] = [a / n if n else 0.0 for a in d["accepted_by_position"]]
     return d

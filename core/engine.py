@@ -10,6 +10,7 @@ import torch
 
 from kvforge.builder import component, select_attention_backend, validate_plugin_tables
 from kvforge.config import EngineConfig
+from kvforge.drafter import Drafter
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
@@ -62,7 +63,6 @@ class LLMEngine:
                                   vocab_size=mc.vocab_size, device=self.device)
         self.spec = SpecDecoder.build(pm, config, sampler, vocab_size=mc.vocab_size, device=self.device,
                                       dtype=self.dtype)
-        self.drafter = self.spec.drafter if self.spec is not None else None
         if self.spec is not None:
             self.runner.extra_bytes_per_block = self.spec.kv_bytes_per_block
 
@@ -85,8 +85,8 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.runner.initialize_kv_cache(num_blocks)
-        if self.drafter is not None:
-            self.drafter.initialize(num_blocks=num_blocks, block_size=config.block_size,
+        if self.spec is not None:
+            self.spec.drafter.initialize(num_blocks=num_blocks, block_size=config.block_size,
                                     max_num_seqs=config.max_num_seqs, max_model_len=max_len)
         self.runner.initialize_input_buffers(config.max_num_batched_tokens, config.max_num_seqs, max_len)
         wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -114,10 +114,19 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        self.spec_stats = self.spec.stats if self.spec is not None else SpecDecodeStats()
         logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
                     self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
         pm.hook.engine_created(engine=self)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The speculative drafter (None without ``speculative_config``)."""
+        return self.spec.drafter if self.spec is not None else None
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters (None without ``speculative_config``)."""
+        return self.spec.stats if self.spec is not None else None
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is
@@ -405,7 +414,7 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
-                "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None}
+                "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None}
 
 
 def _check_sliding_window(window: int | None, max_len: int, explicit: bool) -> int:

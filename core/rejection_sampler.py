@@ -14,6 +14,7 @@ generator (the same drafts give the same tokens on every run).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -54,7 +55,8 @@ class VerifiedTokens:
 
 
 def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num_drafts: torch.Tensor | None = None,
-                     first_row: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> VerifiedTokens:
+                     first_row: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None,
+                     host_first_row: Sequence[int] | None = None) -> VerifiedTokens:
     """Verify the drafts of ``B`` requests.
 
     draft_tokens: [B, K] int64 (padding past a request's ``num_drafts`` is ignored).
@@ -62,13 +64,14 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
     distribution; its rows are ``first_row[b] .. first_row[b] + k_b``. Both None: a uniform batch,
     every request with K drafts and rows ``b * (K + 1) ..`` (the layout of a CUDA-graph step).
     draft_probs: [B, K, vocab] float32, q of each draft position; None means one-hot at the draft.
-    Seeded requests are those whose first row has a generator in ``target.generators``.
+    Seeded requests are those whose first row has a generator in ``target.generators``;
+    ``host_first_row``: ``first_row`` on the host, if the caller has it (else it is read back).
     """
     if num_drafts is None and target.probs is None:
         return _greedy_uniform(target, draft_tokens)
     dev = draft_tokens.device
     B, K = draft_tokens.shape
-    host_first = None  # the first rows on the host, for the seeded requests' generators
+    host_first = host_first_row  # the first rows on the host, for the seeded requests' generators
     if num_drafts is None:
         num_drafts = torch.full((B,), K, dtype=torch.long, device=dev)
         first_row = torch.arange(B, device=dev) * (K + 1)
@@ -135,7 +138,7 @@ def _greedy_uniform(target: TargetDistribution, drafts: torch.Tensor) -> Verifie
 
 
 def _seeded(target: TargetDistribution, first_row: torch.Tensor,
-            host_first: list[int] | None) -> list[tuple[int, torch.Generator]]:
+            host_first: Sequence[int] | None) -> list[tuple[int, torch.Generator]]:
     if not target.generators:
         return []
     rows = host_first if host_first is not None else first_row.tolist()

@@ -128,7 +128,7 @@ class SpecDecoder:
         self.stats.num_steps += 1
         for rid, d in drafts.items():
             tokens = sampled.get(rid)
-            if tokens is not None and d:
+            if tokens is not None:
                 proposed = self._proposed.get(rid, len(d))  # the rest are fillers (see propose)
                 accepted = min(len(tokens) - 1, proposed)
                 if proposed:

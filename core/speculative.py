@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
+
 #: keys of ``speculative_config`` that the engine reads; the rest go to the drafter's options
 ENGINE_KEYS = ("method", "num_speculative_tokens", "policy", "knee_tokens")
 POLICIES = ("auto", "fixed")
@@ -79,7 +81,6 @@ class SpeculationPolicy:
                  smoothing: float = 0.3, explore_every: int = 64, explore_steps: int = 4, min_samples: int = 3):
         self.k, self.mode, self.knee = k, mode, knee_tokens
         self.smoothing = smoothing
-        self.initial = initial_acceptance
         # (accepted per step, rejections per step) averages: alpha = a / (a + r)
         self.prior = (initial_acceptance, 1 - initial_acceptance)
         self.overall = self.prior  # requests that have not drafted yet start here
@@ -99,23 +100,27 @@ class SpeculationPolicy:
 
     def expected_tokens(self, request_ids: list[str], j: int) -> float:
         """Sum over the requests of E(j), the tokens a step with j drafts each yields."""
-        total = 0.0
-        for rid in request_ids:
-            alpha = min(self.acceptance(rid), 0.999)
-            total += (1 - alpha ** (j + 1)) / (1 - alpha)
-        return total
+        return self._expected(self._alphas(request_ids), j)
+
+    def _alphas(self, request_ids: list[str]) -> np.ndarray:
+        return np.minimum([self.acceptance(rid) for rid in request_ids], 0.999)
+
+    @staticmethod
+    def _expected(alphas: np.ndarray, j: int) -> float:
+        return float(((1 - alphas ** (j + 1)) / (1 - alphas)).sum())
 
     def _cost(self, B: int, j: int) -> float:
         return max(B * (1 + j), self.knee) / max(B, self.knee)
 
-    def model_choice(self, request_ids: list[str]) -> int:
-        """The cost model's j (layer 1)."""
+    def model_choice(self, request_ids: list[str], alphas: np.ndarray | None = None) -> int:
+        """The cost model's j (layer 1); ``alphas``: the requests' acceptances, if already looked up."""
         B = len(request_ids)
+        alphas = self._alphas(request_ids) if alphas is None else alphas
         best_j, best = 0, 1.02 * B  # drafting must beat a plain step (B tokens) by a 2% margin
         for j in range(1, self.k + 1):
             # (no margin between draft counts: under the knee every extra draft is free, so j = k;
             # with CUDA graphs only k has verification graphs)
-            value = self.expected_tokens(request_ids, j) / self._cost(B, j)
+            value = self._expected(alphas, j) / self._cost(B, j)
             if value > best:
                 best_j, best = j, value
         return best_j
@@ -125,7 +130,8 @@ class SpeculationPolicy:
             return 0
         if self.mode == "fixed":
             return self.k
-        model = self.model_choice(request_ids)
+        alphas = self._alphas(request_ids)
+        model = self.model_choice(request_ids, alphas)
         if model == 0:
             # nothing is learned while not drafting: let estimates drift back toward the prior, so a
             # request whose text turns repetitive gets drafts again
@@ -140,7 +146,7 @@ class SpeculationPolicy:
         on, off = self.times.get((b, True)), self.times.get((b, False))
         j = model
         if (on is not None and off is not None and on[1] >= self.min_samples and off[1] >= self.min_samples
-                and self.expected_tokens(request_ids, model) / on[0] < B / off[0]):
+                and self._expected(alphas, model) / on[0] < B / off[0]):
             j = 0  # drafting was measured slower here
         if n % self.explore_every < self.explore_steps:  # refresh the other mode's measurement
             j = 0 if j else model

@@ -210,7 +210,7 @@ class DefaultSampler(Sampler):
 
     def plain_greedy(self, request: Request) -> bool:
         p = request.sampling_params
-        return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
+        return (p.greedy and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
                 and not self.reads_history(request))
 
     def release(self, request_ids: Iterable[str]) -> None:
