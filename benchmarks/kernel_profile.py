@@ -80,7 +80,7 @@ def main() -> None:
     llm = LLM(args.model, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               async_scheduling=not args.no_async_scheduling)
     eng = llm.llm_engine
-    runner = eng.runner
+    runner = eng.runner.worker  # the driver worker: model, cache, graphs
     dev = runner.device
 
     # -- part 1: kernels of one prefill step and of decode steps -----------------------------------
@@ -92,12 +92,12 @@ def main() -> None:
 
 def part1(runner, args) -> None:
     from kvforge.cuda_graphs import decode_layout
-    from kvforge.model_runner import _prefill_layout
+    from kvforge.worker import prefill_layout
 
     dev, bs = runner.device, runner.block_size
     lens = [512] * (args.prefill_tokens // 512)
     blocks_per_seq = -(-512 // bs)
-    layout = _prefill_layout(lens, blocks_per_seq, bs)
+    layout = prefill_layout(lens, blocks_per_seq, bs)
     ids = torch.randint(100, 1000, (layout.num_tokens,), device=dev)
     pos = torch.cat([torch.arange(n, device=dev) for n in lens])
 

@@ -54,7 +54,8 @@ def main() -> None:
 
     runner = eng.runner
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
-    runner._layout = timed("input prep: layout", runner._layout)
+    runner.builder.build = timed("input prep: step input", runner.builder.build)
+    runner.worker._layout = timed("input prep: layout", runner.worker._layout)
     runner.attn.build_metadata = timed("input prep: attention metadata", runner.attn.build_metadata)
     runner.model.forward = timed("GPU: model forward (eager)", runner.model.forward)
     if runner.graphs is not None:

@@ -57,7 +57,8 @@ def main() -> None:
         timed(eng.spec, "propose", acc)
         timed(eng.runner, "_verify", acc)
     # inside launch
-    timed(eng.runner, "_layout", acc)
+    timed(eng.runner.builder, "build", acc)
+    timed(eng.runner.worker, "_layout", acc)
     timed(eng.runner, "_sample", acc)
     timed(eng.runner.model, "compute_logits", acc)
     if eng.runner.graphs is not None:

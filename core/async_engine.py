@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()  # its ranks (worker processes, actors)
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
@@ -189,6 +190,8 @@ class AsyncLLMEngine:
             while not self._stop:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_health()  # a rank that dies while idle ends the engine too
+                    self.engine.release_finished()  # aborted while idle: the ranks forget them now
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue

@@ -32,6 +32,10 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--scheduler", dict(default=None)),
     ("--sampler", dict(default=None)),
     ("--kv-cache-manager", dict(default=None)),
+    ("--tensor-parallel-size", dict(type=int, default=None, help="ranks each layer is split over (1)")),
+    ("--pipeline-parallel-size", dict(type=int, default=None, help="pipeline stages (1)")),
+    ("--distributed-executor-backend", dict(default=None, help="uni, mp, ray or a plugin's executor "
+                                            "(default: uni for one rank, ray if a Ray cluster runs, else mp)")),
     ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),
                                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
                                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')),

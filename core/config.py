@@ -66,6 +66,12 @@ class EngineConfig:
     speculative_config: speculative decoding, vLLM's keys: ``{"method": "ngram",
         "num_speculative_tokens": 4, ...}`` (a ``[speculative]`` table in a config file); ``method``
         names a registered drafter, the other keys are described in docs/speculative.md. None: off.
+    tensor_parallel_size: ranks each layer is split over (attention heads, MLP columns, vocabulary).
+    pipeline_parallel_size: pipeline stages the layers are split into.
+    distributed_executor_backend: how the engine reaches its ranks, a registered executor: ``uni``
+        (one rank, in process), ``mp`` (processes spawned on this node), ``ray`` (Ray actors, across
+        nodes). None (the default): ``uni`` for one rank, ``ray`` when a Ray cluster is running or the
+        ranks outnumber this node's GPUs, else ``mp`` (docs/distributed.md).
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -96,6 +102,9 @@ class EngineConfig:
     kv_cache_manager: str = "paged"
     trust_remote_code: bool = False
     speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,8 +116,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "max_n",
-                     "grammar_cache_size"):
+                     "grammar_cache_size", "tensor_parallel_size", "pipeline_parallel_size"):
             positive_int(name)
+        if self.distributed_executor_backend is not None and not isinstance(self.distributed_executor_backend, str):
+            raise ValueError(f"distributed_executor_backend must be an executor name, got "
+                             f"{self.distributed_executor_backend!r}")
         positive_int("max_model_len", allow_none=True)
         positive_int("num_gpu_blocks_override", allow_none=True)
         if self.dtype not in _DTYPES:

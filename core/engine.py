@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
-from kvforge.builder import component, select_attention_backend, validate_plugin_tables
+from kvforge.builder import component, validate_plugin_tables
 from kvforge.config import EngineConfig
 from kvforge.drafter import Drafter
 from kvforge.errors import RequestFailure, is_device_error
-from kvforge.model_loader import load_model, load_model_config, resolve_model_source
+from kvforge.executor import Executor, default_backend
+from kvforge.model_loader import load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
 from kvforge.output_processor import OutputProcessor, ParentState
 from kvforge.outputs import RequestMetrics, RequestOutput
@@ -25,6 +26,7 @@ from kvforge.spec_decode import SpecDecoder
 from kvforge.speculative import SpecDecodeStats
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
+from kvforge.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,32 +52,50 @@ class LLMEngine:
         self.tokenizer = tokenizer_for(config, self.source, mc)
         self.eos_token_ids = tuple(mc.eos_token_ids)
 
-        attn_name, attn_cls = select_attention_backend(pm, config.attention_backend, device=self.device, dtype=self.dtype,
-                                            head_size=mc.head_dim, block_size=config.block_size)
-        attn = component(pm, "attention_backend", attn_name, config, num_heads=mc.num_attention_heads,
-                         num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
-                         block_size=config.block_size, dtype=self.dtype, device=self.device)
-        model = load_model(self.source, mc, attn, self.dtype, self.device, seed=config.seed)
+        self.executor = self._build_executor(pm, config, mc)
+        try:
+            self._initialize(pm, config, mc)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        pm.hook.engine_created(engine=self)
+
+    def _build_executor(self, pm: Any, config: EngineConfig, mc: Any) -> Executor:
+        """The executor named by ``distributed_executor_backend`` (default: vLLM's rule), with its ranks built."""
+        spec = WorkerSpec(config, self.source, mc, config.tensor_parallel_size, config.pipeline_parallel_size)
+        if spec.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported yet")
+        name = config.distributed_executor_backend or default_backend(spec.world_size, self.device)
+        cls = pm.get("executor", name)
+        if spec.world_size > 1 and not cls.supports_multiple_ranks:
+            raise ValueError(f"distributed_executor_backend={name!r} runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {spec.world_size}")
+        return component(pm, "executor", name, config, spec=spec)
+
+    def _initialize(self, pm: Any, config: EngineConfig, mc: Any) -> None:
+        executor = self.executor
+        driver = executor.driver
+        self.device = driver.device
+        attn_name, attn_cls = driver.attn_name, driver.attn_cls
         self._logits_processors: dict[str, Any] = {}
         sampler = component(pm, "sampler", config.sampler, config, vocab_size=mc.vocab_size, device=self.device,
                             logits_processors=self._logits_processor)
-        self.runner = ModelRunner(model, attn, sampler, num_layers=mc.num_hidden_layers,
-                                  vocab_size=mc.vocab_size, device=self.device)
+        self.runner = ModelRunner(executor, sampler, vocab_size=mc.vocab_size, device=self.device)
         self.spec = SpecDecoder.build(pm, config, sampler, vocab_size=mc.vocab_size, device=self.device,
                                       dtype=self.dtype)
         if self.spec is not None:
-            self.runner.extra_bytes_per_block = self.spec.kv_bytes_per_block
+            driver.extra_bytes_per_block = self.spec.kv_bytes_per_block
 
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings})")
         max_len = config.max_model_len or mc.max_position_embeddings
         max_len = _check_sliding_window(mc.sliding_window, max_len, config.max_model_len is not None)
-        num_blocks = self.runner.determine_num_blocks(
-            num_blocks_override=config.num_gpu_blocks_override, kv_cache_memory_gib=config.kv_cache_memory_gib,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+        num_blocks = min(executor.collective_rpc(  # every rank holds every block: the fewest any can hold
+            "determine_num_blocks", num_blocks_override=config.num_gpu_blocks_override,
+            kv_cache_memory_gib=config.kv_cache_memory_gib, gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=max_len)
+            max_model_len=max_len))
         capacity = num_blocks * config.block_size
         if max_len > capacity:
             if config.max_model_len is not None:
@@ -84,11 +104,11 @@ class LLMEngine:
             logger.warning("max_model_len capped at the KV cache capacity: %d tokens", capacity)
             max_len = capacity
         self.max_model_len = max_len
-        self.runner.initialize_kv_cache(num_blocks)
+        executor.collective_rpc("initialize_cache", num_blocks, config.max_num_batched_tokens, config.max_num_seqs,
+                                max_len)
         if self.spec is not None:
             self.spec.drafter.initialize(num_blocks=num_blocks, block_size=config.block_size,
                                     max_num_seqs=config.max_num_seqs, max_model_len=max_len)
-        self.runner.initialize_input_buffers(config.max_num_batched_tokens, config.max_num_seqs, max_len)
         wanted = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self.async_scheduling = wanted and attn_cls.capabilities.supports_async_scheduling
         if wanted and not self.async_scheduling:
@@ -97,8 +117,9 @@ class LLMEngine:
         if (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
             spec_q = (1 + self.spec.k,) if self.spec is not None else ()
-            self.cuda_graph_capture_s = self.runner.capture_cuda_graphs(config.max_num_seqs, max_len, spec_q)
-        num_cpu_blocks = self.runner.initialize_swap_space(config.swap_space)
+            self.cuda_graph_capture_s = max(executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs,
+                                                                    max_len, spec_q))
+        num_cpu_blocks = min(executor.collective_rpc("initialize_swap_space", config.swap_space))
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   num_cpu_blocks=num_cpu_blocks)
@@ -114,9 +135,11 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
         self.num_prompt_tokens = self.num_generation_tokens = 0
-        logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d",
-                    self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks, max_len)
-        pm.hook.engine_created(engine=self)
+        #: requests each rank holds block tables for, read whenever the engine goes idle
+        self.rank_batch_requests = [0] * executor.world_size
+        logger.info("engine ready: model=%s attention=%s scheduler=%s device=%s dtype=%s blocks=%d max_model_len=%d "
+                    "ranks=%d (%s)", self.source.name, attn_name, config.scheduler, self.device, self.dtype, num_blocks,
+                    max_len, executor.world_size, executor.name)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -127,6 +150,14 @@ class LLMEngine:
     def spec_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding's counters (None without ``speculative_config``)."""
         return self.spec.stats if self.spec is not None else None
+
+    def check_health(self) -> None:
+        """Raise ``WorkerFailure`` if a rank of the engine is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the engine's ranks (worker processes, actors); idempotent."""
+        self.executor.shutdown()
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is
@@ -324,7 +355,17 @@ class LLMEngine:
             outputs += self._complete((sched_out, handle))
             if self.spec is not None and (decoding := self._decoding()):
                 self.spec.propose(k_next, decoding, self.kv_cache, self.max_model_len, pad=self.runner.graphs is not None)
+        if self._inflight is None and not self.scheduler.has_unfinished():
+            self.release_finished()
         return outputs
+
+    def release_finished(self) -> None:
+        """Tell the ranks about requests that ended since the last step (done when idle: no step would),
+        and read back what each rank still holds (``get_stats()["rank_batch_requests"]``)."""
+        ids = self.scheduler.take_finished_ids()
+        if ids:
+            self.runner.release(ids)
+            self.rank_batch_requests = [s["requests"] for s in self.executor.collective_rpc("batch_state")]
 
     def _decoding(self) -> list[Request]:
         """Running requests whose next step decodes one token of their own (drafts may join it)."""
@@ -414,7 +455,8 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
-                "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None}
+                "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None,
+                "rank_batch_requests": list(self.rank_batch_requests)}
 
 
 def _check_sliding_window(window: int | None, max_len: int, explicit: bool) -> int:

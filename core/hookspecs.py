@@ -127,6 +127,19 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_executors(register: Register) -> None:
+    """Register executors (how an engine reaches its ranks) by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.executor.Executor` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's
+    ``distributed_executor_backend`` option selects one (built in: ``uni``, ``mp``, ``ray``).
+    """
+
+
+@hookspec
 def engine_created(engine: Any) -> None:
     """Called once when an :class:`kvforge.engine.LLMEngine` has been fully built.
 

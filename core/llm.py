@@ -26,6 +26,11 @@ class LLM:
         self.engine_config = EngineConfig.create(config, model=model, **engine_args)
         self.llm_engine = LLMEngine(self.engine_config)
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes or actors (with tensor or pipeline parallelism); the
+        ``LLM`` cannot be used afterwards. They also stop when the process exits."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

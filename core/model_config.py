@@ -240,6 +240,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
         tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "llama-3-70b": dict(
+        architecture="LlamaForCausalLM", model_type="llama", **_LLAMA3_VOCAB, hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+        tie_word_embeddings=False, torch_dtype="bfloat16"),
     "llama-3.2-1b": dict(
         architecture="LlamaForCausalLM", model_type="llama", **_LLAMA3_VOCAB, hidden_size=2048,
         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

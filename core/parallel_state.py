@@ -17,7 +17,9 @@ import torch
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place in its tensor-parallel group: ``rank`` of ``size``; ``group`` is the
-    ``torch.distributed`` process group (None with size 1)."""
+    ``torch.distributed`` process group object (None with size 1). Collectives call the group's own
+    methods: an engine's groups are private to it (never the process-wide default group), so
+    several engines, or a user's own ``torch.distributed``, can share a process."""
 
     rank: int = 0
     size: int = 1
@@ -26,7 +28,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place; returns it."""
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,8 +36,16 @@ class TPGroup:
         if self.size == 1:
             return x
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=self.group)  # rank-major rows
+        self.group._allgather_base(out, x.contiguous()).wait()  # rank-major rows
         return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Every rank's ``x`` becomes the group rank ``src``'s, in place; returns it."""
+        if self.size > 1:
+            opts = torch.distributed.BroadcastOptions()
+            opts.rootRank = src
+            self.group.broadcast([x], opts).wait()
+        return x
 
 
 SINGLE = TPGroup()
@@ -56,6 +66,23 @@ def building(group: TPGroup) -> Iterator[TPGroup]:
         yield group
     finally:
         _current = old
+
+
+def new_process_group(init_method: str, rank: int, size: int, device: torch.device, timeout_s: float,
+                      host_rank: int = 0) -> Any:
+    """A private process group of ``size`` ranks meeting at ``init_method`` (``tcp://host:port``, served
+    by ``host_rank``): NCCL on CUDA, gloo on the CPU."""
+    import datetime
+
+    dist = torch.distributed
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), size, rank == host_rank, timeout)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def split(n: int, size: int, rank: int) -> tuple[int, int]:

@@ -31,6 +31,7 @@ KINDS: dict[str, str] = {
     "logits_processor": "register_logits_processors",
     "kv_cache_manager": "register_kv_cache_managers",
     "model": "register_models",
+    "executor": "register_executors",
 }
 
 

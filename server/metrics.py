@@ -50,6 +50,12 @@ class _EngineCollector:
         for priority, n in s["waiting_by_priority"].items():
             by_priority.add_metric([self.model, str(priority)], n)
         yield by_priority
+        by_rank = GaugeMetricFamily("kvforge:rank_batch_requests",
+                                    "Requests a rank holds block tables for, as of the engine's last idle moment.",
+                                    labels=["model_name", "rank"])
+        for rank, n in enumerate(s["rank_batch_requests"]):
+            by_rank.add_metric([self.model, str(rank)], n)
+        yield by_rank
         yield counter("kvforge:prompt_tokens", "Prompt tokens processed.", s["num_prompt_tokens"])
         yield counter("kvforge:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
         spec = s.get("spec_decode")

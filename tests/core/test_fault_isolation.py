@@ -227,7 +227,7 @@ def test_a_bad_word_that_tokenizes_to_nothing_is_refused(tiny_llm, monkeypatch):
 
 
 def test_prompt_logprobs_in_slices_match_all_at_once(tiny_llm, monkeypatch):
-    import kvforge.model_runner as mr
+    import kvforge.worker as mr
 
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     prompt = list(range(10, 60))

@@ -46,7 +46,10 @@ def test_presets():
             c.rope_theta, c.bos_token_id, c.eos_token_ids) == (49152, 576, 30, 9, 3, 100000.0, 1, [2])
     c = ModelConfig.from_preset("tiny")
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (64, 2, 4, 2)
-    assert set(PRESETS) == {"llama-3-8b", "llama-3.2-1b", "smollm2-135m", "tiny"}
+    c = ModelConfig.from_preset("llama-3-70b")  # Meta-Llama-3-70B's config.json
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.vocab_size) == (8192, 28672, 80, 64, 8, 128, 128256)
+    assert set(PRESETS) == {"llama-3-8b", "llama-3-70b", "llama-3.2-1b", "smollm2-135m", "tiny"}
 
 
 def test_unknown_preset_lists_valid_ones():

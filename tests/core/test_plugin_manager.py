@@ -33,6 +33,7 @@ def test_builtins_are_discovered_through_entry_points(pm):
     assert "fcfs" in pm.names("scheduler")
     assert "default" in pm.names("sampler")
     assert "paged" in pm.names("kv_cache_manager")
+    assert {"uni", "mp"} <= set(pm.names("executor"))
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"} <= set(pm.names("model"))
     assert pm.plugins["attention"].distribution == "kvforge"
 
@@ -56,6 +57,7 @@ def test_every_registration_hook(pm):
         register_attention_backends=lambda register: register("fake_attn", "kvforge.plugins.attention.torch_backend:TorchAttentionBackend"),
         register_schedulers=lambda register: register("fake_sched", "kvforge.plugins.scheduling.fcfs:FCFSScheduler"),
         register_logits_processors=lambda register: register("fake_lp", "kvforge.sampler:LogitsProcessor"),
+        register_executors=lambda register: register("fake_exec", "kvforge.executor:UniExecutor"),
     )
     pm.register(plugin, "fake")
     try:
@@ -67,6 +69,7 @@ def test_every_registration_hook(pm):
         assert pm.get("attention_backend", "fake_attn").name == "torch"
         assert pm.get("scheduler", "fake_sched").name == "fcfs"
         assert pm.get("logits_processor", "fake_lp").__name__ == "LogitsProcessor"
+        assert pm.get("executor", "fake_exec").name == "uni"
         assert pm.plugins["fake"].registers["sampler"] == ["fake_sampler"]
     finally:
         pm.unregister("fake")
@@ -158,6 +161,24 @@ def test_third_party_drafter_selected_by_config_file(dummy_plugin_installed, tmp
     assert stats["accepted_by_position"][2] == 0  # times = 2: never a third draft
 
 
+def test_third_party_executor_selected_by_config_file(dummy_plugin_installed, tmp_path, tiny_llm):
+    from kvforge_dummy_plugin.components import CountingExecutor
+
+    cfg = tmp_path / "kvforge.toml"
+    cfg.write_text('model = "dummy:tiny"\ndevice = "cpu"\nnum_gpu_blocks_override = 64\n'
+                   'distributed_executor_backend = "dummy_counting"\n[plugins.dummy_counting]\nlabel = "from-config"\n')
+    llm = LLM(config=str(cfg))
+    assert llm.llm_engine.executor.name == "dummy_counting" and CountingExecutor.last_label == "from-config"
+    assert {"determine_num_blocks", "initialize_cache", "initialize_swap_space"} <= set(CountingExecutor.rpc_calls)
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = CountingExecutor.execute_calls
+    out = llm.generate(["executors are loaded by name"], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert CountingExecutor.execute_calls - before >= 6  # a prefill step and a decode step per token
+    assert out == tiny_llm.generate(["executors are loaded by name"], p, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="'dummy_counting' runs one rank; tensor_parallel_size x pipeline_parallel_size is 2"):
+        LLM(config=str(cfg), tensor_parallel_size=2)
+
+
 def test_config_errors_list_what_is_valid(dummy_plugin_installed, tmp_path):
     bad_name = tmp_path / "a.yaml"
     bad_name.write_text("model: dummy:tiny\ndevice: cpu\nplugins:\n  nosuch: {x: 1}\n")
@@ -196,5 +217,6 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     report = {p["name"]: p for p in json.loads(out.stdout)}
     assert report["dummy"]["version"] == "0.0.1"
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
-                                            "logits_processor": ["fault"], "drafter": ["dummy_repeat"]}
+                                            "logits_processor": ["fault"], "drafter": ["dummy_repeat"],
+                                            "executor": ["dummy_counting"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from kvforge.model_runner import ModelRunner
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.swap import copy_blocks_each
+from kvforge.worker import Worker
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -16,11 +16,23 @@ class HeadMajorBackend(TorchAttentionBackend):
         return (2, num_blocks, self.num_kv_heads, self.block_size, self.head_size)
 
 
+class SwapRig:
+    """The worker's KV cache and its swap methods, without a model."""
+
+    bytes_per_block = Worker.bytes_per_block
+    initialize_swap_space = Worker.initialize_swap_space
+    swap_blocks = Worker.swap_blocks
+
+    def __init__(self, attn, num_layers, num_blocks):
+        self.attn, self.num_layers, self.extra_bytes_per_block = attn, num_layers, 0
+        self.swap_space = None
+        self.kv_caches = attn.allocate_kv_cache(num_blocks, num_layers)
+
+
 def runner(device, backend=TorchAttentionBackend, num_blocks=8, dtype=torch.float16):
     attn = backend(num_heads=4, num_kv_heads=2, head_size=8, scale=1.0, block_size=4, dtype=dtype,
                    device=torch.device(device))
-    r = ModelRunner(None, attn, None, num_layers=3, vocab_size=16, device=torch.device(device))
-    r.initialize_kv_cache(num_blocks)
+    r = SwapRig(attn, 3, num_blocks)
     # 6 CPU blocks: bytes_per_block = 2 * 4 * 2 * 8 * itemsize * 3 layers
     assert r.initialize_swap_space(6 * r.bytes_per_block() / 2**30) == 6
     for cache in r.kv_caches:

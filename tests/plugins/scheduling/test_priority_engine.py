@@ -69,7 +69,7 @@ def test_metrics_show_modes_swaps_and_waiting_by_priority():
     stats = {"num_running": 1, "num_waiting": 3, "kv_cache_usage": 0.5, "prefix_cache_queries": 0,
              "prefix_cache_hits": 0, "num_preemptions": 5, "num_preemptions_recompute": 2,
              "num_preemptions_swap": 3, "num_swapped_out_blocks": 7, "num_swapped": 1,
-             "waiting_by_priority": {0: 1, 2: 2}, "num_prompt_tokens": 0, "num_generation_tokens": 0}
+             "waiting_by_priority": {0: 1, 2: 2}, "num_prompt_tokens": 0, "num_generation_tokens": 0, "rank_batch_requests": [0, 2]}
     text = ServerMetrics(lambda: stats, "m").render().decode()
     for line in ['kvforge:num_preemptions_total{model_name="m"} 5.0',
                  'kvforge:num_preemptions_by_mode_total{mode="recompute",model_name="m"} 2.0',
@@ -77,7 +77,8 @@ def test_metrics_show_modes_swaps_and_waiting_by_priority():
                  'kvforge:swapped_out_blocks_total{model_name="m"} 7.0',
                  'kvforge:num_requests_swapped{model_name="m"} 1.0',
                  'kvforge:num_requests_waiting_by_priority{model_name="m",priority="0"} 1.0',
-                 'kvforge:num_requests_waiting_by_priority{model_name="m",priority="2"} 2.0']:
+                 'kvforge:num_requests_waiting_by_priority{model_name="m",priority="2"} 2.0',
+                 'kvforge:rank_batch_requests{model_name="m",rank="1"} 2.0']:
         assert line in text
 
 

@@ -1,4 +1,4 @@
-"""A third-party plugin: registers an attention backend, a scheduler, a logits processor and a drafter."""
+"""A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter and an executor."""
 import kvforge
 
 
@@ -20,3 +20,8 @@ def register_logits_processors(register):
 @kvforge.hookimpl
 def register_drafters(register):
     register("dummy_repeat", "kvforge_dummy_plugin.components:RepeatDrafter")
+
+
+@kvforge.hookimpl
+def register_executors(register):
+    register("dummy_counting", "kvforge_dummy_plugin.components:CountingExecutor")

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
+from kvforge.executor import UniExecutor
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
 from kvforge.sampler import LogitsProcessor
@@ -78,3 +79,30 @@ class RepeatDrafter(Drafter):
         type(self).propose_calls += 1
         return DraftProposal([[r.all_token_ids[-1]] * min(k, self.times)
                               for r, k in zip(batch.requests, batch.num_draft_tokens)])
+
+
+@dataclass
+class CountingExecutorOptions:
+    label: str = "none"
+
+
+class CountingExecutor(UniExecutor):
+    """The in-process executor, counting the steps and control calls that go through it."""
+
+    name = "dummy_counting"
+    Options = CountingExecutorOptions
+    execute_calls = 0
+    rpc_calls: list = []
+    last_label = None
+
+    def __init__(self, spec, *, label: str = "none"):
+        super().__init__(spec)
+        type(self).last_label = label
+
+    def collective_rpc(self, method, *args, **kwargs):
+        type(self).rpc_calls.append(method)
+        return super().collective_rpc(method, *args, **kwargs)
+
+    def execute_model(self, step, prev_tokens=None, prompt_sink=None):
+        type(self).execute_calls += 1
+        return super().execute_model(step, prev_tokens, prompt_sink)

@@ -1,0 +1,374 @@
+"""``Worker``: one rank's shard of the model, its KV cache and CUDA graphs; runs each step's forward.
+
+A worker knows no request objects: it keeps a persistent batch (request id -> block table) and
+builds each step's layout from a ``StepInput`` (``kvforge.step_input``). Every rank runs the same
+forward and computes the same logits rows (a vocabulary-parallel LM head needs every rank); only
+the driver's results are used, by the sampler in the engine process (docs/distributed.md).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvforge import parallel_state
+from kvforge.attention import BatchLayout
+from kvforge.config import EngineConfig
+from kvforge.input_buffers import HostInputs, StagingBuffers, h2d
+from kvforge.model_config import ModelConfig
+from kvforge.model_loader import ModelSource, load_model
+from kvforge.step_handle import logprob_tensors
+from kvforge.step_input import StepInput
+from kvforge.swap import CPUSwapSpace
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+#: device memory for one slice of prompt log-probabilities (logits, log-softmax and rank mask)
+PROMPT_LOGPROBS_SLICE_BYTES = 256 << 20
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank needs to build its worker (picklable: sent to spawned processes and actors)."""
+
+    config: EngineConfig
+    source: ModelSource
+    model_config: ModelConfig
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    init_method: str | None = None  # torch.distributed rendezvous (tcp://host:port) when the world is > 1
+    init_timeout_s: float = 120.0  # collectives and the rendezvous give up after this long
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def driver_rank(self) -> int:
+        """The first tensor-parallel rank of the last pipeline stage: it runs in the engine process."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def device_for(self, local_rank: int) -> torch.device:
+        """CUDA: the engine's device index plus the rank's place on its node; CPU: the CPU."""
+        base = self.config.torch_device
+        if base.type != "cuda":
+            return base
+        return torch.device("cuda", (base.index or 0) + local_rank)
+
+
+@dataclass
+class ForwardOutput:
+    """The driver's results of a step: device tensors the sampler reads."""
+
+    buf: HostInputs  # the staging set the step was laid out in (the sampled tokens come back into it)
+    input_ids: torch.Tensor  # [rows] the step's input ids (placeholders filled)
+    sample_rows: torch.Tensor | None  # the sampled rows, None when they are rows 0 .. n - 1
+    logits: torch.Tensor | None  # float32 [num_sample_rows, vocab]
+    head: torch.Tensor | None  # a verification graph's greedy verification
+
+
+class Worker:
+    """One rank: builds its model shard inside its tensor-parallel group and runs forwards."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, local_rank: int | None = None):
+        from kvforge.builder import component, select_attention_backend
+        from kvforge.plugin_manager import get_plugin_manager
+
+        self.spec, self.rank = spec, rank
+        config, mc = spec.config, spec.model_config
+        self.device = spec.device_for(rank if local_rank is None else local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.group = init_world(spec, rank, self.device)
+        torch.manual_seed(config.seed)
+        dtype = config.torch_dtype
+        pm = get_plugin_manager()
+        self.attn_name, self.attn_cls = select_attention_backend(
+            pm, config.attention_backend, device=self.device, dtype=dtype, head_size=mc.head_dim,
+            block_size=config.block_size)
+        shard = parallel_state.head_shard(mc.num_attention_heads, mc.num_key_value_heads, self.group.size, self.group.rank)
+        self.attn = component(pm, "attention_backend", self.attn_name, config, num_heads=shard.num_heads,
+                              num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
+                              block_size=config.block_size, dtype=dtype, device=self.device)
+        with parallel_state.building(self.group):
+            self.model = load_model(spec.source, mc, self.attn, dtype, self.device, seed=config.seed)
+        self.num_layers = mc.num_hidden_layers
+        self.vocab_size = mc.vocab_size
+        self.block_size = self.attn.block_size
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None  # a CUDAGraphRunner once captured
+        self.swap_space: CPUSwapSpace | None = None
+        self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
+        self.tables: dict[str, list[int]] = {}  # the persistent batch: request -> block table
+
+    def ready(self) -> dict[str, Any]:
+        """What the engine needs to know of a rank once it is built."""
+        return {"rank": self.rank, "device": str(self.device), "attention_backend": self.attn_name,
+                "num_heads": self.attn.num_heads, "num_kv_heads": self.attn.num_kv_heads}
+
+    def close(self) -> None:
+        """Leave the process group (its connections close; peers still in a collective get an error)."""
+        if self.group.size > 1 and hasattr(self.group.group, "shutdown"):
+            try:
+                self.group.group.shutdown()
+            except Exception:  # already broken: nothing left to release
+                pass
+
+    def batch_state(self) -> dict[str, int]:
+        """The persistent batch: requests this rank holds block tables for, and their blocks."""
+        return {"requests": len(self.tables), "blocks": sum(len(t) for t in self.tables.values())}
+
+    # -- KV cache sizing -------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        shape = self.attn.kv_cache_shape(1)
+        return math.prod(shape) * self.attn.dtype.itemsize * self.num_layers + self.extra_bytes_per_block
+
+    def determine_num_blocks(self, *, num_blocks_override: int | None, kv_cache_memory_gib: float | None,
+                             gpu_memory_utilization: float, max_num_batched_tokens: int,
+                             max_num_seqs: int, max_model_len: int) -> int:
+        """KV blocks this rank can hold: an override; a memory budget; or, on CUDA, what a profiled peak
+        forward leaves of ``gpu_memory_utilization`` times the device memory. The engine takes the
+        minimum over the ranks."""
+        per_block = self.bytes_per_block()
+        if num_blocks_override is not None:
+            return num_blocks_override
+        if kv_cache_memory_gib is not None:
+            return max(1, int(kv_cache_memory_gib * GiB) // per_block)
+        if self.device.type != "cuda":
+            # CPU default: enough for every sequence at full length, capped at 4 GiB.
+            want = max_num_seqs * -(-max_model_len // self.block_size)
+            return max(1, min(want, (4 * GiB) // per_block))
+        peak = self.profile_peak_memory(max_num_batched_tokens, max_num_seqs, max_model_len)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = total * gpu_memory_utilization - peak - max(non_torch, 0)
+        num_blocks = int(budget // per_block)
+        logger.info("rank %d KV cache: peak forward %.2f GiB, non-torch %.2f GiB, %.2f GiB of %.2f GiB for %d blocks",
+                    self.rank, peak / GiB, non_torch / GiB, max(budget, 0) / GiB, total / GiB, num_blocks)
+        if num_blocks < 1:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache on rank "
+                f"{self.rank} (model and peak activations take {peak / GiB:.2f} GiB of {total / GiB:.2f} GiB)")
+        return num_blocks
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Peak bytes allocated by one forward of a full token budget plus sampling of a full batch."""
+        bs = self.block_size
+        seq_len = min(max_num_batched_tokens, max_model_len)
+        num_seqs = -(-max_num_batched_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // bs)
+        caches = self.attn.allocate_kv_cache(num_seqs * blocks_per_seq, self.num_layers)
+        cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        lens = [seq_len] * (num_seqs - 1) + [max_num_batched_tokens - seq_len * (num_seqs - 1)]
+        layout = prefill_layout(lens, blocks_per_seq, bs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = self.attn.build_metadata(layout)
+        n = layout.num_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(np.concatenate([np.arange(x) for x in lens])).to(self.device)
+        hidden = self.model(ids, pos, caches, meta)
+        rows = min(max(max_num_seqs, self.prompt_logprobs_rows()), n)  # sampling, or a prompt-logprobs slice
+        logits = self.model.compute_logits(hidden[:rows]).float()
+        torch.softmax(logits, dim=-1).sort(dim=-1)
+        logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        del caches, hidden, logits, meta
+        torch.cuda.empty_cache()
+        return peak
+
+    def initialize_cache(self, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int,
+                         max_model_len: int) -> None:
+        """Allocate the KV cache and the step's staging buffers (``kvforge.input_buffers``)."""
+        self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers)
+        max_blocks = -(-max_model_len // self.block_size)
+        self.staging = StagingBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
+        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> float:
+        """Capture graphs of uniform steps (decode, and verification of ``query_lens`` tokens per
+        sequence); returns the seconds. Every rank captures the same graphs in the same order."""
+        from kvforge.cuda_graphs import CUDAGraphRunner
+
+        self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len, device=self.device, query_lens=query_lens,
+                                      verify_head=True)
+        return self.graphs.capture()
+
+    def initialize_swap_space(self, swap_space_gib: float) -> int:
+        """Size the CPU swap pool (allocated on its first use); returns its number of blocks."""
+        num_cpu_blocks = int(swap_space_gib * GiB) // self.bytes_per_block()
+        self.swap_space = CPUSwapSpace(self.attn, self.num_layers, num_cpu_blocks)
+        return num_cpu_blocks
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy ``(device, cpu)`` blocks to the CPU pool and ``(cpu, device)`` blocks back, every layer.
+
+        NOTE: called before any other cache write of the step (see ``kvforge.swap``).
+        """
+        if swap_out or swap_in:
+            if self.swap_space is None:
+                raise ValueError("swap: no CPU swap pool (initialize_swap_space was not called)")
+            self.swap_space.swap(self.kv_caches, swap_out, swap_in)
+
+    def prompt_logprobs_rows(self) -> int:
+        """Prompt positions whose log-probabilities are computed at once: about
+        ``PROMPT_LOGPROBS_SLICE_BYTES`` of float32 logits and their temporaries."""
+        return max(1, PROMPT_LOGPROBS_SLICE_BYTES // (self.vocab_size * 12))
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
+                prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:
+        """Apply the step's bookkeeping, then queue its forward and logits; returns at once.
+
+        ``prev_tokens`` (the driver): the step in flight's sampled tokens, which fill this step's
+        placeholders; other ranks receive them by broadcast. ``prompt_sink(start, logits)`` (the
+        driver) takes each slice of prompt-position logits.
+        """
+        tables = self.tables
+        for rid in step.dropped:
+            tables.pop(rid, None)
+        for rid, start, ids in step.table_updates:
+            if start == 0:
+                tables[rid] = list(ids)
+            else:
+                table = tables[rid]
+                del table[start:]
+                table.extend(ids)
+        self.swap_blocks(step.blocks_to_swap_out, step.blocks_to_swap_in)  # even in a step with no batch
+        if not step.req_ids:
+            return None
+        self.attn.copy_blocks(self.kv_caches, step.blocks_to_copy)
+        buf, layout = self._layout(step)
+        dev = self.device
+        num_rows = layout.num_tokens  # with graph padding
+        pinned = buf.tensors
+        if step.graph_key is not None:
+            ids_dev, pos_dev = self.graphs.input_ids[:num_rows], self.graphs.positions[:num_rows]
+        else:
+            ids_dev, pos_dev = self._input_tensors(num_rows)
+        ids_dev.copy_(pinned["input_ids"][:num_rows], non_blocking=True)
+        pos_dev.copy_(pinned["positions"][:num_rows], non_blocking=True)
+        if step.fill_dst is not None:  # placeholders: the previous step's sampled tokens, on the device
+            fills = len(step.fill_dst)
+            tokens = self._prev_tokens(step.num_prev_tokens, prev_tokens)
+            dst = pinned["fill_dst"][:fills].to(dev, non_blocking=True)
+            src = pinned["fill_src"][:fills].to(dev, non_blocking=True)
+            ids_dev[dst] = tokens[src]
+        head = None
+        if step.graph_key is not None:  # a uniform step (decode, or verification of k drafts each)
+            hidden = self.graphs.replay(layout)[:step.num_tokens]
+            head = self.graphs.head(step.graph_key)
+        else:
+            meta = self.attn.build_metadata(layout)
+            hidden = self.model(ids_dev, pos_dev, self.kv_caches, meta)  # [num_tokens, hidden]
+        if step.prompt_rows is not None:
+            self._prompt_logits(hidden, step.prompt_rows, prompt_sink)
+        rows = logits = None
+        n = step.num_sample_rows
+        if n and step.sample_rows is not None:
+            rows = pinned["sample_rows"][:n].to(dev, non_blocking=True)
+        if n and step.compute_logits:
+            logits = self.model.compute_logits(hidden[:n] if rows is None else hidden[rows]).float()
+        return ForwardOutput(buf, ids_dev, rows, logits, head)
+
+    def _prev_tokens(self, n: int, tokens: torch.Tensor | None) -> torch.Tensor:
+        """The step in flight's ``n`` sampled tokens on this rank: the driver's own, broadcast to the others."""
+        if self.group.size == 1:
+            return tokens
+        driver = self.spec.driver_rank
+        buf = tokens.contiguous() if self.rank == driver else torch.empty(n, dtype=torch.long, device=self.device)
+        self.group.broadcast(buf, driver)
+        return buf
+
+    def _prompt_logits(self, hidden: torch.Tensor, rows: np.ndarray, sink: Callable | None) -> None:
+        # NOTE: [rows, vocab] float32 logits for a whole prompt chunk could take gigabytes: compute
+        # them a bounded slice at a time (the memory profile runs one slice of this size)
+        rows_dev = h2d(rows, torch.long, self.device)
+        step = self.prompt_logprobs_rows()
+        for i in range(0, len(rows), step):
+            logits = self.model.compute_logits(hidden[rows_dev[i:i + step]]).float()
+            if sink is not None:
+                sink(i, logits)
+
+    def _input_tensors(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n > self.input_ids.shape[0]:
+            self.input_ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
+        return self.input_ids[:n], self.positions[:n]
+
+    def _layout(self, step: StepInput) -> tuple[HostInputs, BatchLayout]:
+        """Lay the step out in the next set of staging buffers: vectorised, no per-step allocation.
+
+        With ``graph_key`` = (size, q) (a uniform batch replayed as a CUDA graph), the sequences past
+        the batch are padding of q tokens each: context q, block 0, slot -1 (nothing written), and the
+        block tables are as wide as the captured graph's.
+        """
+        n = len(step.req_ids)
+        bs = self.block_size
+        q_lens, starts = step.query_lens, step.num_computed
+        tables = [self.tables[rid] for rid in step.req_ids]
+        total = step.num_tokens
+        graph_key = step.graph_key
+        rows, q = graph_key if graph_key is not None else (n, 0)
+        num_rows = total if graph_key is None else rows * q
+        width = self.graphs.max_blocks if graph_key is not None else max(len(t) for t in tables)
+        fills = 0 if step.fill_dst is None else len(step.fill_dst)
+        buf = self.staging.next(num_rows, max(rows, step.num_sample_rows, fills), width)
+        b = buf.np
+        qsl = b["query_start_loc"][:rows + 1]
+        qsl[0] = 0
+        np.cumsum(q_lens, out=qsl[1:n + 1])
+        ids = b["input_ids"][:num_rows]
+        ids[:total] = step.input_ids
+        positions = b["positions"][:num_rows]
+        np.subtract(np.arange(total), np.repeat(qsl[:n] - starts, q_lens), out=positions[:total])
+        seq_lens = b["seq_lens"][:rows]
+        seq_lens[:n] = starts + q_lens
+        block_tables = buf.block_tables(rows, width)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        slots = b["slot_mapping"][:num_rows]
+        seq_of_token = np.repeat(np.arange(n), q_lens)
+        slots[:total] = block_tables[seq_of_token, positions[:total] // bs].astype(np.int64) * bs + positions[:total] % bs
+        if num_rows > total:  # graph padding sequences: q tokens each
+            qsl[n + 1:] = total + np.arange(1, rows - n + 1) * q
+            ids[total:] = 0
+            positions[total:] = 0
+            seq_lens[n:] = q
+            slots[total:] = -1
+        if fills:
+            b["fill_dst"][:fills] = step.fill_dst
+            b["fill_src"][:fills] = step.fill_src
+        if step.sample_rows is not None:
+            b["sample_rows"][:step.num_sample_rows] = step.sample_rows
+        return buf, BatchLayout(qsl, seq_lens, block_tables, slots)
+
+
+def init_world(spec: WorkerSpec, rank: int, device: torch.device) -> parallel_state.TPGroup:
+    """Join the engine's ranks (NCCL on CUDA, gloo on the CPU; the driver serves the rendezvous);
+    returns this rank's tensor-parallel group (``SINGLE`` in a world of one)."""
+    if spec.world_size == 1:
+        return parallel_state.SINGLE
+    group = parallel_state.new_process_group(spec.init_method, rank, spec.world_size, device, spec.init_timeout_s,
+                                             host_rank=spec.driver_rank)
+    return parallel_state.TPGroup(rank % spec.tensor_parallel_size, spec.tensor_parallel_size, group)
+
+
+def prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayout:
+    """Layout of fresh prefills, sequence i owning blocks [i*blocks_per_seq, (i+1)*blocks_per_seq)."""
+    qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    tables = np.arange(len(lens) * blocks_per_seq, dtype=np.int32).reshape(len(lens), blocks_per_seq)
+    slots = np.concatenate([tables[i, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
+                            for i, n in enumerate(lens)])
+    return BatchLayout(qsl, np.array(lens, dtype=np.int32), tables, slots)

@@ -1,0 +1,274 @@
+"""``mp``: the ranks other than the driver run in processes spawned on this node.
+
+Each rank is a fresh ``python -m kvforge.plugins.executors.rank_process`` (never a re-import of the
+user's script, so no ``if __name__ == "__main__"`` guard is needed), connected back over loopback with
+a random key. Each step's ``StepInput`` is pickled once and written to every rank's connection; the ranks answer
+nothing (their results are the driver's too, and the collectives keep them in step). Control
+calls (``collective_rpc``: sizing the KV cache, capturing graphs) are answered. A monitor thread
+watches every process: one that dies makes :meth:`check_health` raise ``WorkerFailure`` naming it,
+and a step that fails because a rank is gone raises the same (docs/distributed.md, Failures).
+
+NOTE: a remote rank never waits for its device. Its staging buffers alternate like the driver's and
+are safe for the same reason: the driver sends step N + 2 only after step N's results arrived, and
+those came after step N's collectives, which every rank's stream reaches only after its copies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from kvforge.executor import Executor, WorkerFailure, start_driver
+from kvforge.step_input import StepInput
+from kvforge.worker import ForwardOutput, Worker, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+#: seconds a failing step waits for the process monitor to name the rank that is gone
+FAILURE_GRACE_S = 5.0
+
+
+class MultiprocExecutor(Executor):
+    name = "mp"
+
+    def __init__(self, spec: WorkerSpec):
+        if spec.init_method is None:
+            spec = dataclasses.replace(spec, init_method=f"tcp://127.0.0.1:{_free_port()}")
+        super().__init__(spec)
+        self._closing = False
+        self._lock = threading.Lock()  # one pipe conversation at a time
+        self.errors: dict[int, str] = {}  # rank -> what it reported before it went
+        self._early: dict[int, tuple] = {}  # rank -> a reply read before it was asked for (its "ready")
+        if spec.config.torch_device.type == "cuda":
+            base = spec.config.torch_device.index or 0
+            if base + spec.world_size > torch.cuda.device_count():
+                raise WorkerFailure(
+                    f"rank {spec.world_size - 1} cannot start: {spec.world_size} ranks from cuda:{base} need "
+                    f"{base + spec.world_size} GPUs on this node, it has {torch.cuda.device_count()} "
+                    "(across nodes use distributed_executor_backend='ray')")
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.conns: dict[int, multiprocessing.connection.Connection] = {}
+        key = os.urandom(16)
+        self._listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=key)
+        env = dict(os.environ, KVFORGE_RANK_AUTHKEY=key.hex())
+        host, port = self._listener.address
+        for rank in range(spec.world_size):
+            if rank != spec.driver_rank:
+                self.procs[rank] = subprocess.Popen(
+                    [sys.executable, "-m", "kvforge.plugins.executors.rank_process", host, str(port), str(rank)], env=env)
+        self._finalizer = weakref.finalize(self, _stop_processes, list(self.procs.values()))
+        try:
+            self._connect()
+            self.driver = self._start_driver()
+            for rank in self.conns:
+                self._reply(rank)  # each rank's ("ready", ...) once its model is built
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="kvforge-rank-monitor", daemon=True)
+        self._monitor.start()
+        logger.info("mp executor: %d ranks (driver rank %d in process %d, others %s)", spec.world_size,
+                    spec.driver_rank, os.getpid(), {r: p.pid for r, p in self.procs.items()})
+
+    # -- starting --------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """Accept every rank's connection and send it the spec (a rank that dies first ends the wait)."""
+        accepted: dict[int, Any] = {}
+
+        def accept() -> None:
+            try:
+                while len(accepted) < len(self.procs):
+                    conn = self._listener.accept()
+                    rank = conn.recv()
+                    conn.send(self.spec)
+                    accepted[rank] = conn
+            except (OSError, EOFError) as exc:
+                accepted.setdefault("error", exc)
+
+        thread = threading.Thread(target=accept, name="kvforge-rank-accept", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.spec.init_timeout_s
+        while thread.is_alive():
+            thread.join(timeout=0.1)
+            for rank, proc in self.procs.items():
+                if rank not in accepted and proc.poll() is not None:
+                    raise WorkerFailure(self.describe(rank, "failed to start"))
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.procs) - set(accepted))
+                raise WorkerFailure(f"rank {missing[0]} did not connect within {self.spec.init_timeout_s:.0f} s")
+        if "error" in accepted:
+            raise WorkerFailure(f"accepting the ranks' connections failed: {accepted['error']!r}")
+        self.conns = {r: accepted[r] for r in sorted(self.procs)}
+        self._listener.close()
+
+    def _start_driver(self) -> Worker:
+        """Build the driver worker while watching the other ranks: one that fails to start ends the
+        wait at once with its error. (Every rank's "ready" is read afterwards, by ``_reply``.)"""
+        def watch() -> bool:
+            for rank, conn in self.conns.items():
+                if self.procs[rank].poll() is not None or (conn.poll() and self._peek_error(rank)):
+                    raise WorkerFailure(self.describe(rank, "failed to start"))
+            return True
+        return start_driver(self.spec, watch)
+
+    def _peek_error(self, rank: int) -> bool:
+        """Read a message a rank sent unasked: True if it was an error (kept in ``errors``)."""
+        msg = self.conns[rank].recv()
+        if msg[0] == "error":
+            self.errors[rank] = msg[1]
+            return True
+        self._early[rank] = msg  # a reply that came before we asked (the rank's "ready")
+        return False
+
+    # -- calls -----------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        payload = pickle.dumps(("rpc", method, args, kwargs))
+        with self._lock:
+            self._send_all(payload)
+            try:
+                mine = getattr(self.driver, method)(*args, **kwargs)
+            except Exception as exc:
+                raise self._failure(exc) from exc
+            results = {rank: self._reply(rank) for rank in self.conns}
+        results[self.spec.driver_rank] = mine
+        return [results[r] for r in range(self.spec.world_size)]
+
+    def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
+                      prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:
+        payload = pickle.dumps(("exec", step), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._send_all(payload)
+        try:
+            return self.driver.execute(step, prev_tokens, prompt_sink)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def _send_all(self, payload: bytes) -> None:
+        for conn in self.conns.values():
+            try:
+                conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:
+                raise self._failure(exc) from exc
+
+    def _reply(self, rank: int) -> Any:
+        """Wait for rank's answer, or for its death (never forever)."""
+        msg = self._early.pop(rank, None)
+        conn, proc = self.conns[rank], self.procs[rank]
+        while msg is None:
+            if conn.poll(1.0):
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    raise WorkerFailure(self.describe(rank)) from None
+            elif proc.poll() is not None:  # the process ended with nothing more to say
+                raise WorkerFailure(self.describe(rank))
+        if msg[0] == "error":
+            self.errors[rank] = msg[1]
+            raise WorkerFailure(self.describe(rank, "failed"))
+        return msg[1]
+
+    # -- failures --------------------------------------------------------------------------------
+    def describe(self, rank: int, what: str = "died") -> str:
+        proc = self.procs[rank]
+        try:
+            code = proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            how = "still running"
+        elif code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exit code {code}"
+        cause = self.errors.get(rank)
+        conn = self.conns.get(rank)
+        if cause is None and conn is not None and conn.poll():
+            try:
+                msg = conn.recv()
+                cause = msg[1] if msg[0] == "error" else None
+            except (EOFError, OSError):
+                pass
+        detail = f": {cause}" if cause else ""
+        return f"rank {rank} (pid {proc.pid}) {what} ({how}){detail}"
+
+    def _dead_rank(self, wait_s: float) -> int | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None or rank in self.errors:
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """The error to raise for a failed call: the rank that is gone, if one is, else ``exc`` itself."""
+        if isinstance(exc, WorkerFailure):
+            return exc
+        rank = self._dead_rank(FAILURE_GRACE_S)
+        if rank is None:
+            return exc
+        return WorkerFailure(f"{self.describe(rank)}; the step failed with {type(exc).__name__}: {exc}")
+
+    def check_health(self) -> None:
+        rank = self._dead_rank(0.0)
+        if rank is not None:
+            raise WorkerFailure(self.describe(rank))
+
+    def _watch(self) -> None:
+        """Log the first rank that goes (the engine finds out through check_health or a failed step)."""
+        while not self._closing:
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None:
+                    if not self._closing:
+                        logger.error("%s", self.describe(rank))
+                    return
+            time.sleep(0.5)
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for conn in self.conns.values():
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except (BrokenPipeError, ConnectionError, OSError):
+                pass
+        _stop_processes(list(self.procs.values()))
+        self._listener.close()
+        if getattr(self, "driver", None) is not None:
+            self.driver.close()
+        for conn in self.conns.values():
+            conn.close()
+
+
+def _stop_processes(procs: list[subprocess.Popen]) -> None:
+    """Wait for the ranks; terminate, then kill, whatever is still running (never leaves one behind)."""
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        for stop in (None, proc.terminate, proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(timeout=max(0.5, deadline - time.monotonic()) if stop is None else 2.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,101 @@
+"""The engine with tensor_parallel_size=2 (the ``mp`` executor: a spawned rank over gloo) against one
+rank, on the real default model: the same tokens for every request, with prefix caching, chunked
+prompts, preemption, async scheduling (placeholder tokens broadcast by the driver), penalties,
+structured outputs and n > 1 (copy-on-write blocks); then every rank forgets every request."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.executor import WorkerFailure
+from kvforge.sampling_params import StructuredOutputsParams
+
+PREFIX = "You are a terse assistant. Answer in one short sentence, then stop. Question: "
+QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?",
+             "Who wrote Hamlet?", "What is 2 + 2?", "Name a planet.", "What do bees make?",
+             "How many legs has a spider?", "What is water made of?"]
+ENGINE = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=20, max_num_batched_tokens=48,
+              enable_prefix_caching=True, async_scheduling=True, swap_space=0)
+
+
+def _requests():
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [PREFIX + q for q in QUESTIONS]
+    params = [greedy] * len(prompts)
+    prompts.append(PREFIX + "List three fruits.")
+    params.append(SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5))
+    prompts.append(PREFIX + "Is the sun a star? Answer yes or no.")
+    params.append(SamplingParams(temperature=0, max_tokens=4,
+                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+    prompts.append(PREFIX + "Say something.")
+    params.append(SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=12, ignore_eos=True))
+    return prompts, params
+
+
+def _run(llm):
+    prompts, params = _requests()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.get_stats()
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    llm = LLM(tensor_parallel_size=2, **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def test_tp2_equals_tp1_token_for_token_on_the_default_model(tp2):
+    ref_llm = LLM(**ENGINE)
+    ref, ref_stats = _run(ref_llm)
+    got, stats = _run(tp2)
+    assert tp2.llm_engine.executor.name == "mp" and tp2.llm_engine.executor.world_size == 2
+    assert got == ref
+    for s in (stats, ref_stats):  # the paths this was meant to cover were taken
+        assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0
+    # every rank forgets every request; every block is free again
+    assert tp2.llm_engine.executor.collective_rpc("batch_state") == [{"requests": 0, "blocks": 0}] * 2
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_ranks_hold_their_own_heads_and_agree_on_blocks(tp2):
+    # the default model's 9 query heads over 3 KV heads split 6+3 (2+1 KV heads)
+    shards = tp2.llm_engine.executor.collective_rpc("ready")
+    assert [(s["num_heads"], s["num_kv_heads"]) for s in shards] == [(6, 2), (3, 1)]
+    assert tp2.llm_engine.num_blocks == 20
+
+
+def test_killed_rank_fails_the_engine_fast_naming_the_rank():
+    llm = LLM(tensor_parallel_size=2, **ENGINE)
+    try:
+        executor = llm.llm_engine.executor
+        proc = executor.procs[1]
+        os.kill(proc.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\)"):
+            llm.generate(["hello there"], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 30
+        with pytest.raises(WorkerFailure, match="rank 1"):
+            llm.llm_engine.check_health()
+    finally:
+        llm.shutdown()
+    assert proc.poll() is not None
+
+
+def test_bad_rank_count_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(tensor_parallel_size=0, **ENGINE)
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni' runs one rank"):
+        LLM(tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+
+
+def test_ray_not_installed_is_named(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    with pytest.raises(WorkerFailure, match=r"needs Ray, which is not installed \(pip install 'kvforge\[ray\]'\)"):
+        LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
