@@ -33,7 +33,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--sampler", dict(default=None)),
     ("--kv-cache-manager", dict(default=None)),
     ("--tensor-parallel-size", dict(type=int, default=None, help="ranks each layer is split over (1)")),
-    ("--pipeline-parallel-size", dict(type=int, default=None, help="pipeline stages (1)")),
+    ("--pipeline-parallel-size", dict(type=int, default=None, help="pipeline stages the layers are split into (1)")),
     ("--distributed-executor-backend", dict(default=None, help="uni, mp, ray or a plugin's executor "
                                             "(default: uni for one rank, ray if a Ray cluster runs, else mp)")),
     ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),

@@ -63,8 +63,6 @@ class LLMEngine:
     def _build_executor(self, pm: Any, config: EngineConfig, mc: Any) -> Executor:
         """The executor named by ``distributed_executor_backend`` (default: vLLM's rule), with its ranks built."""
         spec = WorkerSpec(config, self.source, mc, config.tensor_parallel_size, config.pipeline_parallel_size)
-        if spec.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported yet")
         name = config.distributed_executor_backend or default_backend(spec.world_size, self.device)
         cls = pm.get("executor", name)
         if spec.world_size > 1 and not cls.supports_multiple_ranks:
@@ -114,7 +112,9 @@ class LLMEngine:
         if wanted and not self.async_scheduling:
             logger.info("async scheduling off: attention backend %s plans on the host per step", attn_name)
         self.cuda_graph_capture_s = None
-        if (self.device.type == "cuda" and not config.enforce_eager
+        if config.pipeline_parallel_size > 1 and self.device.type == "cuda" and not config.enforce_eager:
+            logger.info("CUDA graphs off: pipeline stages exchange hidden states outside graphs (docs/distributed.md)")
+        elif (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
             spec_q = (1 + self.spec.k,) if self.spec is not None else ()
             self.cuda_graph_capture_s = max(executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs,

@@ -20,9 +20,16 @@ class CausalLM(Protocol):
     def __init__(self, config: ModelConfig, attn: AttentionBackend) -> None: ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata) -> torch.Tensor:
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden_size].
-        ``kv_caches[i]`` is layer i's cache tensor (shape from ``attn.kv_cache_shape``)."""
+        ``kv_caches[i]`` is the cache tensor of the model's i-th layer (shape from ``attn.kv_cache_shape``).
+
+        Pipeline parallelism: a model built inside ``parallel_state.building(group, stage)`` holds only
+        ``stage.layers(num_layers)`` and ``kv_caches`` only theirs. The first stage embeds; a later
+        stage gets ``intermediate`` = (hidden, residual) from the one before; every stage but the
+        last returns (hidden, residual) instead of hidden states. A model that supports only one
+        stage may ignore ``intermediate`` and raise ``ValueError`` when built for more."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""

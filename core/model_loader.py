@@ -213,17 +213,21 @@ def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, d
 
 
 def _fill_random(model: torch.nn.Module, seed: int, device: torch.device) -> None:
-    """Seeded random weights, drawn whole (unsplit) and loaded through each parameter's loader: a
-    model split over tensor-parallel ranks holds exactly the slices of the unsplit model's."""
+    """Seeded random weights, each parameter drawn whole (unsplit) from a generator seeded by the seed
+    and the parameter's name, and loaded through its loader: a model split over tensor-parallel ranks
+    or pipeline stages holds exactly the slices and layers of the unsplit model's."""
+    import zlib
+
     from kvforge.layers.weights import full_shape, load_full
 
     # on the device, so that an 8B dummy model initializes in a second on a GPU
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        elif tuple(full_shape(p)) == tuple(p.shape):
+            continue
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if tuple(full_shape(p)) == tuple(p.shape):
             p.normal_(0.0, 0.02, generator=gen)
         else:
             whole = torch.empty(full_shape(p), dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=gen)

@@ -48,8 +48,33 @@ class TPGroup:
         return x
 
 
+@dataclass(frozen=True)
+class PPStage:
+    """This process's pipeline stage: ``rank`` of ``size``; the model builds only its stage's layers."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of this stage's layers: contiguous, as even as possible."""
+        if num_layers < self.size:
+            raise ValueError(f"pipeline_parallel_size={self.size} is more than the model's {num_layers} layers")
+        start, count = split(num_layers, self.size, self.rank)
+        return start, start + count
+
+
 SINGLE = TPGroup()
+WHOLE = PPStage()
 _current: TPGroup = SINGLE
+_current_stage: PPStage = WHOLE
 
 
 def current() -> TPGroup:
@@ -57,27 +82,40 @@ def current() -> TPGroup:
     return _current
 
 
+def current_stage() -> PPStage:
+    """The pipeline stage of the model being built (``WHOLE`` outside :func:`building`)."""
+    return _current_stage
+
+
 @contextlib.contextmanager
-def building(group: TPGroup) -> Iterator[TPGroup]:
-    """Layers constructed inside belong to ``group``."""
-    global _current
+def building(group: TPGroup, stage: PPStage = WHOLE) -> Iterator[TPGroup]:
+    """Layers constructed inside belong to ``group``; the model builds ``stage``'s layers only."""
+    global _current, _current_stage
     old, _current = _current, group
+    old_stage, _current_stage = _current_stage, stage
     try:
         yield group
     finally:
-        _current = old
+        _current, _current_stage = old, old_stage
 
 
-def new_process_group(init_method: str, rank: int, size: int, device: torch.device, timeout_s: float,
-                      host_rank: int = 0) -> Any:
-    """A private process group of ``size`` ranks meeting at ``init_method`` (``tcp://host:port``, served
-    by ``host_rank``): NCCL on CUDA, gloo on the CPU."""
+def rendezvous(init_method: str, rank: int, size: int, timeout_s: float, host_rank: int = 0) -> Any:
+    """The store the ranks meet at (``tcp://host:port``, served by ``host_rank``)."""
+    import datetime
+
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    return torch.distributed.TCPStore(host, int(port), size, rank == host_rank,
+                                      datetime.timedelta(seconds=timeout_s))
+
+
+def new_process_group(store: Any, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    """A private process group of ``size`` ranks (``rank`` here) keyed ``prefix`` in ``store``: NCCL on
+    CUDA, gloo on the CPU."""
     import datetime
 
     dist = torch.distributed
-    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), size, rank == host_rank, timeout)
+    store = dist.PrefixStore(prefix, store)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -84,7 +84,7 @@ class Worker:
         self.device = spec.device_for(rank if local_rank is None else local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.group = init_world(spec, rank, self.device)
+        self.group, self.world, self.stage = init_world(spec, rank, self.device)
         torch.manual_seed(config.seed)
         dtype = config.torch_dtype
         pm = get_plugin_manager()
@@ -95,9 +95,11 @@ class Worker:
         self.attn = component(pm, "attention_backend", self.attn_name, config, num_heads=shard.num_heads,
                               num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
                               block_size=config.block_size, dtype=dtype, device=self.device)
-        with parallel_state.building(self.group):
+        with parallel_state.building(self.group, self.stage):
             self.model = load_model(spec.source, mc, self.attn, dtype, self.device, seed=config.seed)
-        self.num_layers = mc.num_hidden_layers
+        start, end = self.stage.layers(mc.num_hidden_layers)
+        self.num_layers = end - start  # this stage's layers: its KV cache holds only theirs
+        self.hidden_size, self.dtype = mc.hidden_size, dtype
         self.vocab_size = mc.vocab_size
         self.block_size = self.attn.block_size
         self.kv_caches: list[torch.Tensor] = []
@@ -109,15 +111,17 @@ class Worker:
     def ready(self) -> dict[str, Any]:
         """What the engine needs to know of a rank once it is built."""
         return {"rank": self.rank, "device": str(self.device), "attention_backend": self.attn_name,
-                "num_heads": self.attn.num_heads, "num_kv_heads": self.attn.num_kv_heads}
+                "num_heads": self.attn.num_heads, "num_kv_heads": self.attn.num_kv_heads,
+                "stage": self.stage.rank, "layers": list(self.stage.layers(self.spec.model_config.num_hidden_layers))}
 
     def close(self) -> None:
-        """Leave the process group (its connections close; peers still in a collective get an error)."""
-        if self.group.size > 1 and hasattr(self.group.group, "shutdown"):
-            try:
-                self.group.group.shutdown()
-            except Exception:  # already broken: nothing left to release
-                pass
+        """Leave the process groups (their connections close; peers still in a collective get an error)."""
+        for g in {id(g): g for g in (self.group, self.world) if g.size > 1}.values():
+            if hasattr(g.group, "shutdown"):
+                try:
+                    g.group.shutdown()
+                except Exception:  # already broken: nothing left to release
+                    pass
 
     def batch_state(self) -> dict[str, int]:
         """The persistent batch: requests this rank holds block tables for, and their blocks."""
@@ -173,11 +177,15 @@ class Worker:
         n = layout.num_tokens
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(np.concatenate([np.arange(x) for x in lens])).to(self.device)
-        hidden = self.model(ids, pos, caches, meta)
-        rows = min(max(max_num_seqs, self.prompt_logprobs_rows()), n)  # sampling, or a prompt-logprobs slice
-        logits = self.model.compute_logits(hidden[:rows]).float()
-        torch.softmax(logits, dim=-1).sort(dim=-1)
-        logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
+        inter = None
+        if not self.stage.is_first:  # a stage's input is the stage before's (hidden, residual)
+            inter = tuple(torch.zeros((n, self.hidden_size), dtype=self.dtype, device=self.device) for _ in range(2))
+        hidden = logits = self.model(ids, pos, caches, meta, **({"intermediate": inter} if inter else {}))
+        if self.stage.is_last:
+            rows = min(max(max_num_seqs, self.prompt_logprobs_rows()), n)  # sampling, or a prompt-logprobs slice
+            logits = self.model.compute_logits(hidden[:rows]).float()
+            torch.softmax(logits, dim=-1).sort(dim=-1)
+            logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
         del caches, hidden, logits, meta
@@ -268,9 +276,13 @@ class Worker:
         if step.graph_key is not None:  # a uniform step (decode, or verification of k drafts each)
             hidden = self.graphs.replay(layout)[:step.num_tokens]
             head = self.graphs.head(step.graph_key)
-        else:
+        elif self.stage.size == 1:
             meta = self.attn.build_metadata(layout)
             hidden = self.model(ids_dev, pos_dev, self.kv_caches, meta)  # [num_tokens, hidden]
+        else:
+            hidden = self._stage_forward(ids_dev, pos_dev, self.attn.build_metadata(layout))
+            if hidden is None:  # not the last stage: its part is done
+                return None
         if step.prompt_rows is not None:
             self._prompt_logits(hidden, step.prompt_rows, prompt_sink)
         rows = logits = None
@@ -281,13 +293,31 @@ class Worker:
             logits = self.model.compute_logits(hidden[:n] if rows is None else hidden[rows]).float()
         return ForwardOutput(buf, ids_dev, rows, logits, head)
 
+    def _stage_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor | None:
+        """One pipeline stage: the first embeds, the others receive (hidden, residual) from the same
+        tensor-parallel rank of the stage before; all but the last send theirs on. Returns the last
+        stage's hidden states, None elsewhere."""
+        tp, world = self.spec.tensor_parallel_size, self.world.group
+        inter = None
+        if not self.stage.is_first:
+            inter = tuple(torch.empty((len(ids), self.hidden_size), dtype=self.dtype, device=self.device)
+                          for _ in range(2))
+            for t in inter:
+                world.recv([t], self.rank - tp, 0).wait()
+        out = self.model(ids, pos, self.kv_caches, meta, intermediate=inter)
+        if self.stage.is_last:
+            return out
+        for t in out:
+            world.send([t.contiguous()], self.rank + tp, 0).wait()
+        return None
+
     def _prev_tokens(self, n: int, tokens: torch.Tensor | None) -> torch.Tensor:
         """The step in flight's ``n`` sampled tokens on this rank: the driver's own, broadcast to the others."""
-        if self.group.size == 1:
+        if self.world.size == 1:
             return tokens
         driver = self.spec.driver_rank
         buf = tokens.contiguous() if self.rank == driver else torch.empty(n, dtype=torch.long, device=self.device)
-        self.group.broadcast(buf, driver)
+        self.world.broadcast(buf, driver)
         return buf
 
     def _prompt_logits(self, hidden: torch.Tensor, rows: np.ndarray, sink: Callable | None) -> None:
@@ -354,14 +384,22 @@ class Worker:
         return buf, BatchLayout(qsl, seq_lens, block_tables, slots)
 
 
-def init_world(spec: WorkerSpec, rank: int, device: torch.device) -> parallel_state.TPGroup:
-    """Join the engine's ranks (NCCL on CUDA, gloo on the CPU; the driver serves the rendezvous);
-    returns this rank's tensor-parallel group (``SINGLE`` in a world of one)."""
-    if spec.world_size == 1:
-        return parallel_state.SINGLE
-    group = parallel_state.new_process_group(spec.init_method, rank, spec.world_size, device, spec.init_timeout_s,
-                                             host_rank=spec.driver_rank)
-    return parallel_state.TPGroup(rank % spec.tensor_parallel_size, spec.tensor_parallel_size, group)
+def init_world(spec: WorkerSpec, rank: int, device: torch.device
+               ) -> tuple[parallel_state.TPGroup, parallel_state.TPGroup, parallel_state.PPStage]:
+    """Join the engine's ranks (NCCL on CUDA, gloo on the CPU; the driver serves the rendezvous).
+    Returns this rank's tensor-parallel group, the world group (stage-to-stage sends, the driver's
+    broadcasts) and its pipeline stage. World rank = stage * tensor_parallel_size + tensor-parallel rank."""
+    tp, world = spec.tensor_parallel_size, spec.world_size
+    stage = parallel_state.PPStage(rank // tp, spec.pipeline_parallel_size)
+    if world == 1:
+        return parallel_state.SINGLE, parallel_state.SINGLE, stage
+    store = parallel_state.rendezvous(spec.init_method, rank, world, spec.init_timeout_s, host_rank=spec.driver_rank)
+    world_pg = parallel_state.new_process_group(store, "world/", rank, world, device, spec.init_timeout_s)
+    world_group = parallel_state.TPGroup(rank, world, world_pg)
+    if tp == world:
+        return world_group, world_group, stage
+    tp_pg = parallel_state.new_process_group(store, f"tp{stage.rank}/", rank % tp, tp, device, spec.init_timeout_s)
+    return parallel_state.TPGroup(rank % tp, tp, tp_pg), world_group, stage
 
 
 def prefill_layout(lens: list[int], blocks_per_seq: int, bs: int) -> BatchLayout:

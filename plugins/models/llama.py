@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from kvforge import parallel_state
 from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.layers import (
     MergedColumnParallelLinear,
@@ -173,21 +174,43 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack, or one pipeline stage of it (``parallel_state.current_stage()``): the first
+    stage embeds, the last one norms; layers outside the stage are ``MissingLayer``s, so parameter
+    names keep their global layer index."""
+
     def __init__(self, config: ModelConfig, attn: AttentionBackend):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stage = parallel_state.current_stage()
+        self.start, self.end = stage.layers(config.num_hidden_layers)
+        self.is_first, self.is_last = stage.is_first, stage.is_last
+        # the last stage of a tied model computes its logits with the embedding
+        wants_embed = stage.is_first or (stage.is_last and config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if wants_embed else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn, i) if self.start <= i < self.end else MissingLayer()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``kv_caches[i]`` is the cache of this stage's i-th layer. The first stage embeds
+        ``input_ids``; a later one continues from ``intermediate`` = (hidden, residual) of the stage
+        before. The last stage returns the normed hidden states, the others (hidden, residual)."""
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate
         rope = functools.partial(self.rotary_emb, tables=self.rotary_emb.tables(positions, hidden))
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, rope, kv_caches[i], attn_meta)
+        for i in range(self.start, self.end):
+            hidden, residual = self.layers[i](positions, hidden, residual, rope, kv_caches[i - self.start], attn_meta)
+        if not self.is_last:
+            return hidden, residual
         return self.norm(hidden, residual)[0]
+
+
+class MissingLayer(nn.Identity):
+    """A layer another pipeline stage holds."""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -198,12 +221,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, attn)
         # tied: logits use embed_tokens.weight and the checkpoint's lm_head.weight (if any) is skipped
-        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
+        last = parallel_state.current_stage().is_last
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
+                        if last and not config.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 (flat varlen batch) -> hidden [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, kv_caches, attn_meta)
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [num_tokens] int64 (flat varlen batch) -> hidden [num_tokens, hidden_size]
+        (a pipeline stage other than the last: (hidden, residual) for the next one)."""
+        return self.model(input_ids, positions, kv_caches, attn_meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every tensor-parallel rank)."""
@@ -217,6 +244,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[tuple[str, str | int | None]] = set()
         for name, w in weights:
             if name.endswith(IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if not self._on_this_stage(name):
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, module_name = module_path.rpartition(".")
@@ -238,6 +267,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {', '.join(missing[:20])}"
                              + (" ..." if len(missing) > 20 else ""))
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` belongs to a module this pipeline stage holds."""
+        m = self.model
+        if name.startswith("model.layers."):
+            return m.start <= int(name.split(".")[2]) < m.end
+        if name.startswith("model.embed_tokens."):
+            return m.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return m.norm is not None
+        return True
 
     def _expected_keys(self) -> list[tuple[str, str | int | None]]:
         keys: list[tuple[str, str | int | None]] = []

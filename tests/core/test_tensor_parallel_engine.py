@@ -62,6 +62,34 @@ def test_tp2_equals_tp1_token_for_token_on_the_default_model(tp2):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_pp2_equals_one_rank_token_for_token_on_the_default_model():
+    """Two pipeline stages (layers 0-14 and 15-29), hidden states sent stage to stage over gloo."""
+    ref, _ = _run(LLM(**ENGINE))
+    llm = LLM(pipeline_parallel_size=2, **ENGINE)
+    try:
+        got, stats = _run(llm)
+        assert [r["layers"] for r in llm.llm_engine.executor.collective_rpc("ready")] == [[0, 15], [15, 30]]
+        assert got == ref and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+        assert llm.llm_engine.executor.collective_rpc("batch_state") == [{"requests": 0, "blocks": 0}] * 2
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_x_pp2_equals_one_rank_on_a_tiny_model():
+    """Four ranks: two stages of two tensor-parallel ranks each (the tiny model's 2 layers, one per stage)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 5, 9, 200 + i, 7] * (i + 1) for i in range(8)]
+    common = dict(device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32)
+    ref = [o.outputs[0].token_ids for o in LLM("dummy:tiny", **common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("dummy:tiny", tensor_parallel_size=2, pipeline_parallel_size=2, **common)
+    try:
+        shards = llm.llm_engine.executor.collective_rpc("ready")
+        assert [(s["stage"], s["num_heads"]) for s in shards] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    finally:
+        llm.shutdown()
+
+
 def test_ranks_hold_their_own_heads_and_agree_on_blocks(tp2):
     # the default model's 9 query heads over 3 KV heads split 6+3 (2+1 KV heads)
     shards = tp2.llm_engine.executor.collective_rpc("ready")
