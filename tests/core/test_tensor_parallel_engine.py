@@ -127,3 +127,19 @@ def test_ray_not_installed_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     with pytest.raises(WorkerFailure, match=r"needs Ray, which is not installed \(pip install 'kvforge\[ray\]'\)"):
         LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+
+
+def test_speculative_decoding_under_tp2_keeps_the_tokens():
+    """ngram drafts verified by the rejection sampler on the driver's logits (all ranks run the
+    verification rows' forward and logits)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "a b c a b c a b c a b c", "The capital of France is"]
+    common = dict(device="cpu", num_gpu_blocks_override=64)
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "policy": "fixed"}, **common)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        assert llm.llm_engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
