@@ -1,6 +1,7 @@
 """``LLMEngine``: the synchronous engine loop (schedule -> run -> update -> outputs)."""
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -131,6 +132,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_runner_output = ModelRunnerOutput()
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # a launched step not yet applied
+        #: pipeline parallelism: steps through the stages at once (over disjoint requests); 1 otherwise.
+        #: Speculative decoding and beam search need each step's tokens before the next: one at a time.
+        self.max_in_flight = config.pipeline_parallel_size if self.spec is None else 1
+        self._pipeline: collections.deque[tuple[SchedulerOutput, Any]] = collections.deque()
+        self.num_overlapped_steps = 0  # pipelined steps launched while another was in flight
         self._structured: StructuredOutputManager | None = None
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
         self._ids = itertools.count()
@@ -317,7 +323,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # a step in flight whose requests have all ended (aborted, stopped) is applied by the next step
-        return self.scheduler.has_unfinished() or (
+        return self.scheduler.has_unfinished() or bool(self._pipeline) or (
             self._inflight is not None and any(not r.finished for r in self._inflight[0].scheduled))
 
     # -- the loop --------------------------------------------------------------------------------
@@ -332,6 +338,8 @@ class LLMEngine:
         Step N+1 is scheduled before N's tokens are known: each request that samples in N holds a
         placeholder token (``Request.append_placeholder``) that N+1 reads from the device.
         """
+        if self.max_in_flight > 1:
+            return self._step_pipelined()
         outputs: list[RequestOutput] = []
         prev = self._inflight  # only ever a step that passed _may_overlap
         self._fail_bad_grammars()
@@ -356,6 +364,36 @@ class LLMEngine:
             if self.spec is not None and (decoding := self._decoding()):
                 self.spec.propose(k_next, decoding, self.kv_cache, self.max_model_len, pad=self.runner.graphs is not None)
         if self._inflight is None and not self.scheduler.has_unfinished():
+            self.release_finished()
+        return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: up to ``max_in_flight`` (one per stage) launched steps over disjoint
+        requests, so that stage s works on step N while stage s + 1 works on step N - 1. A request
+        whose step is in flight is ``held``: the scheduler leaves it out until that step is applied.
+        The oldest step is applied when the pipeline is full, or when nothing new could be launched."""
+        outputs: list[RequestOutput] = []
+        self._fail_bad_grammars()
+        sched_out = self.scheduler.schedule()
+        handle = self.runner.launch(sched_out, self.kv_cache)
+        for rid, failure in handle.errors.items():
+            self.fail_request(rid, failure)
+        self.scheduler.advance(sched_out)
+        if not sched_out.is_empty:
+            for req in sched_out.scheduled:
+                req.held = True
+            self.num_overlapped_steps += bool(self._pipeline)  # launched while another was in flight
+            self._pipeline.append((sched_out, handle))
+        # beam search reads each step's result before it extends its beams: nothing stays in flight
+        flush = any(r.external_tokens for r in sched_out.scheduled)
+        while self._pipeline and (len(self._pipeline) >= self.max_in_flight or sched_out.is_empty or flush):
+            done = self._pipeline.popleft()
+            for req in done[0].scheduled:
+                req.held = False
+            outputs += self._complete(done)
+            if not flush:
+                break
+        if not self._pipeline and not self.scheduler.has_unfinished():
             self.release_finished()
         return outputs
 

@@ -63,6 +63,9 @@ class Request:
     # async scheduling: how many tokens a launched step samples for this request that the host has
     # not seen yet; each is PLACEHOLDER at the end of output_token_ids (the runner reads them from the device)
     num_placeholders: int = 0
+    # pipeline parallelism: a launched step of this request is still going through the stages, and
+    # no later step may include the request until it is applied (the engine sets and clears it)
+    held: bool = False
     # speculative decoding: the tokens a drafter proposed for the next step to verify (never hashed,
     # never counted in num_tokens); the scheduler may cut them to fit its budget
     draft_token_ids: list[int] = field(default_factory=list)

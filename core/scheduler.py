@@ -226,7 +226,9 @@ class Scheduler(ABC):
     @staticmethod
     def tokens_wanted(req: Request) -> int:
         """Tokens ``req`` would run in the next step: what it has left to compute, plus its drafts
-        when that is just its last token (a decode step)."""
+        when that is just its last token (a decode step). None while the request is ``held``."""
+        if req.held:
+            return 0
         left = req.num_tokens - req.num_computed_tokens
         return left + len(req.draft_token_ids) if left == 1 else left
 

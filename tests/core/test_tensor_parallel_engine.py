@@ -63,13 +63,16 @@ def test_tp2_equals_tp1_token_for_token_on_the_default_model(tp2):
 
 
 def test_pp2_equals_one_rank_token_for_token_on_the_default_model():
-    """Two pipeline stages (layers 0-14 and 15-29), hidden states sent stage to stage over gloo."""
+    """Two pipeline stages (layers 0-14 and 15-29), hidden states sent stage to stage over gloo, two
+    steps in flight over disjoint requests."""
     ref, _ = _run(LLM(**ENGINE))
     llm = LLM(pipeline_parallel_size=2, **ENGINE)
     try:
         got, stats = _run(llm)
         assert [r["layers"] for r in llm.llm_engine.executor.collective_rpc("ready")] == [[0, 15], [15, 30]]
         assert got == ref and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+        # two steps in flight at once, over disjoint requests (one per stage)
+        assert llm.llm_engine.max_in_flight == 2 and llm.llm_engine.num_overlapped_steps > 0
         assert llm.llm_engine.executor.collective_rpc("batch_state") == [{"requests": 0, "blocks": 0}] * 2
     finally:
         llm.shutdown()
