@@ -30,6 +30,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="accept a chat_template field in requests (refused by default: templates run code)")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="largest request body accepted, in bytes (default 16 MiB); larger bodies get 413")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (Ray actors) behind this one server, requests to the least busy (1)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
@@ -65,7 +67,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_body = args.max_request_body_bytes if args.max_request_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
     if max_body < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_body}")
-    engine = AsyncLLMEngine.from_config(config)
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        from kvforge.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine(config, args.data_parallel_size)
+    else:
+        engine = AsyncLLMEngine.from_config(config)
     server: uvicorn.Server | None = None
 
     def stop_serving() -> None:  # the engine died: drain and exit non-zero

@@ -56,6 +56,12 @@ class _EngineCollector:
         for rank, n in enumerate(s["rank_batch_requests"]):
             by_rank.add_metric([self.model, str(rank)], n)
         yield by_rank
+        if "data_parallel_routed" in s:  # --data-parallel-size > 1
+            routed = CounterMetricFamily("kvforge:data_parallel_requests", "Requests sent to each engine replica.",
+                                         labels=["model_name", "replica"])
+            for replica, n in enumerate(s["data_parallel_routed"]):
+                routed.add_metric([self.model, str(replica)], n)
+            yield routed
         yield counter("kvforge:prompt_tokens", "Prompt tokens processed.", s["num_prompt_tokens"])
         yield counter("kvforge:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
         spec = s.get("spec_decode")

@@ -83,6 +83,34 @@ def metric(server, name: str) -> float:
     raise KeyError(name)
 
 
+def hang_up_mid_stream(server, prompt: str = "Write a long story about the sea.", max_tokens: int = 300,
+                       chunks: int = 3, while_open=None) -> None:
+    """Start a streaming completion, read ``chunks`` SSE events, call ``while_open()`` (the request is
+    still running), then close the connection: the server must abort the request."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            lines = r.iter_lines()  # kept referenced: closing it early would close the connection
+            for line in lines:
+                seen += line.startswith("data: ")
+                if seen >= chunks:
+                    break
+            if while_open is not None:
+                while_open()
+
+
+def wait_until(cond, timeout: float) -> bool:
+    """Poll ``cond`` every 0.1 s until it holds (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 IDLE_METRICS = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
 
 

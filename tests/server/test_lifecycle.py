@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, ServerProcess, metric
+from conftest import API_KEY, ServerProcess, hang_up_mid_stream, metric
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -24,20 +24,11 @@ def test_disconnect_mid_stream_frees_blocks(default_model_path):
     # the real 135M model: slow enough on a CPU that the stream is still running when we hang up
     server = ServerProcess(model=default_model_path)
     try:
-        body = {"prompt": "Write a long story about the sea.", "max_tokens": 300, "stream": True,
-                "ignore_eos": True}
-        with httpx.Client(timeout=60) as c:
-            with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                chunks = 0
-                lines = r.iter_lines()  # kept referenced: closing it early would close the connection
-                for line in lines:
-                    if line.startswith("data: "):
-                        chunks += 1
-                    if chunks >= 3:
-                        break
-                assert metric(server, "kvforge:kv_cache_usage_perc") > 0
-                assert metric(server, "kvforge:num_requests_running") == 1
+        def running() -> None:
+            assert metric(server, "kvforge:kv_cache_usage_perc") > 0
+            assert metric(server, "kvforge:num_requests_running") == 1
+
+        hang_up_mid_stream(server, while_open=running)
         # the connection is closed: the request is aborted and its blocks return at once
         assert wait_for(lambda: metric(server, "kvforge:kv_cache_usage_perc") == 0.0
                         and metric(server, "kvforge:num_requests_running") == 0.0, timeout=10)

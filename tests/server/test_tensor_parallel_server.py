@@ -11,16 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, metric
-
-
-def wait_for(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+from conftest import ServerProcess, hang_up_mid_stream, metric, wait_until
 
 
 def rank_requests(server) -> dict[str, float]:
@@ -68,24 +59,14 @@ def test_chat_and_stream_equal_one_rank(servers):
                                            extra_body={"ignore_eos": True})
         got.append((chat.choices[0].message.content, "".join(c.choices[0].text for c in stream if c.choices)))
     assert got[0] == got[1] and got[0][0]
-    assert wait_for(lambda: rank_requests(servers[0]) == {"0": 0.0, "1": 0.0}, timeout=15)
+    assert wait_until(lambda: rank_requests(servers[0]) == {"0": 0.0, "1": 0.0}, timeout=15)
 
 
 def test_disconnect_aborts_and_every_rank_forgets(servers):
     tp2 = servers[0]
-    body = {"prompt": "Write a long story about the sea.", "max_tokens": 300, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", f"{tp2.url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            chunks = 0
-            lines = r.iter_lines()
-            for line in lines:
-                chunks += line.startswith("data: ")
-                if chunks >= 3:
-                    break
-            assert metric(tp2, "kvforge:kv_cache_usage_perc") > 0
-    assert wait_for(lambda: metric(tp2, "kvforge:kv_cache_usage_perc") == 0.0
-                    and rank_requests(tp2) == {"0": 0.0, "1": 0.0}, timeout=15), rank_requests(tp2)
+    hang_up_mid_stream(tp2, while_open=lambda: metric(tp2, "kvforge:kv_cache_usage_perc") > 0 or pytest.fail("idle"))
+    assert wait_until(lambda: metric(tp2, "kvforge:kv_cache_usage_perc") == 0.0
+                      and rank_requests(tp2) == {"0": 0.0, "1": 0.0}, timeout=15), rank_requests(tp2)
     assert metric(tp2, "kvforge:generation_tokens_total") < 300
 
 

@@ -1,0 +1,232 @@
+"""``DataParallelEngine``: N engine replicas, each a Ray actor, behind the ``AsyncLLMEngine`` interface.
+
+``kvforge serve --data-parallel-size N`` serves through one of these: one front end (the HTTP server,
+tokenization for the chat template, the metrics) and N full engines (each with its own ranks when
+``tensor_parallel_size`` or ``pipeline_parallel_size`` is more than 1). Each request goes to the
+replica with the fewest requests in flight; its outputs stream back through a Ray streaming
+generator. Ray is imported only here (``pip install 'kvforge[ray]'``). docs/distributed.md.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, AsyncIterator
+
+from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
+from kvforge.config import EngineConfig
+from kvforge.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: seconds between the health checks of the replicas
+HEALTH_PERIOD_S = 1.0
+
+
+class ReplicaActor:
+    """One engine replica inside a Ray actor (an async actor: many requests stream at once)."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine = AsyncLLMEngine.from_config(config)
+        self.engine.start()
+
+    def info(self) -> dict[str, Any]:
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int):
+        async for out in self.engine.generate(prompt, params, request_id, priority):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    def check(self) -> None:
+        if self.engine.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.engine.error!r}")
+
+    def check_structured_outputs(self, so: Any) -> None:
+        self.engine.check_structured_outputs(so)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class DataParallelEngine:
+    """What the server needs of an engine (``AsyncLLMEngine``'s interface), over ``size`` replicas."""
+
+    def __init__(self, config: EngineConfig, size: int):
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("data_parallel_size > 1 needs Ray, which is not installed "
+                             "(pip install 'kvforge[ray]')") from None
+        from kvforge.model_loader import load_model_config, resolve_model_source
+        from kvforge.tokenizer_source import tokenizer_for
+
+        self._ray, self.size, self._config = ray, size, config
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init()
+        self._source = resolve_model_source(config.model, config.load_format)
+        self._tokenizer = tokenizer_for(config, self._source, load_model_config(self._source))
+        cuda = config.torch_device.type == "cuda"
+        per_replica = config.tensor_parallel_size * config.pipeline_parallel_size
+        # a replica's ranks run inside its actor, on the devices Ray gave it
+        replica_config = config.replace(distributed_executor_backend="mp" if per_replica > 1 else None,
+                                        device="cuda" if cuda else config.device)
+        actor = ray.remote(ReplicaActor).options(num_gpus=per_replica if cuda else 0, num_cpus=0 if cuda else 1,
+                                                 max_concurrency=1000)
+        self.replicas = [actor.remote(replica_config) for _ in range(size)]
+        try:
+            infos = ray.get([r.info.remote() for r in self.replicas])
+        except Exception as exc:
+            self.shutdown()
+            raise RuntimeError(f"a data-parallel replica failed to start: {exc}") from exc
+        self._max_model_len = min(i["max_model_len"] for i in infos)
+        self._vocab_size = infos[0]["vocab_size"]
+        self.in_flight = [0] * size  # requests each replica is serving now
+        self.routed = [0] * size  # requests sent to each replica since start
+        self.error: BaseException | None = None
+        self.dead = threading.Event()
+        self._running = False
+        self._stop = threading.Event()
+
+    # -- facts the front end needs -----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def model_source(self) -> Any:
+        return self._source
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self.error is None
+
+    def check_structured_outputs(self, so: Any) -> None:
+        try:
+            self._ray.get(self.replicas[0].check_structured_outputs.remote(so))
+        except self._ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    def get_stats(self) -> dict[str, Any]:
+        """The replicas' counters added up (usage: their mean), plus each replica's routed requests."""
+        parts = self._ray.get([r.stats.remote() for r in self.replicas], timeout=10)
+        total: dict[str, Any] = {}
+        for key, value in parts[0].items():
+            values = [p[key] for p in parts]
+            if key == "kv_cache_usage":
+                total[key] = sum(values) / len(values)
+            elif key == "waiting_by_priority":
+                merged: dict[int, int] = {}
+                for v in values:
+                    for prio, n in v.items():
+                        merged[prio] = merged.get(prio, 0) + n
+                total[key] = merged
+            elif key == "rank_batch_requests":
+                total[key] = [n for v in values for n in v]
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = sum(values)
+            else:
+                total[key] = value
+        total["data_parallel_routed"] = list(self.routed)
+        return total
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._running:
+            self._running = True
+            threading.Thread(target=self._watch, name="kvforge-dp-health", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(HEALTH_PERIOD_S):
+            for i, replica in enumerate(self.replicas):
+                try:
+                    self._ray.get(replica.check.remote(), timeout=30)
+                except Exception as exc:
+                    self.error = RuntimeError(f"data-parallel replica {i} failed: {exc}")
+                    logger.error("%s", self.error)
+                    self.dead.set()
+                    return
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        ray = self._ray
+        for replica in getattr(self, "replicas", []):
+            try:
+                ray.get(replica.shutdown.remote(), timeout=timeout)
+            except Exception:  # already gone
+                pass
+            ray.kill(replica)
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Send the request to the least busy replica; ``ValueError`` naming the field for bad input
+        (the replica validates it, and its first answer is awaited here)."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        i = min(range(self.size), key=lambda k: (self.in_flight[k], self.routed[k]))
+        self.in_flight[i] += 1
+        self.routed[i] += 1
+        gen = self.replicas[i].generate.options(num_returns="streaming").remote(prompt, params, request_id, priority)
+        try:
+            first = await self._next(gen)
+        except BaseException:
+            self.in_flight[i] -= 1
+            raise
+        return self._stream(i, request_id, gen, first)
+
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        async for out in await self.add_request(prompt, params, request_id, priority):
+            yield out
+
+    async def _next(self, gen: Any) -> RequestOutput | None:
+        """The generator's next output (None at its end), with a replica's error re-raised as itself."""
+        try:
+            ref = await gen.__anext__()
+            return await ref
+        except StopAsyncIteration:
+            return None
+        except self._ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    async def _stream(self, i: int, request_id: str, gen: Any, first: RequestOutput | None
+                      ) -> AsyncIterator[RequestOutput]:
+        out, finished = first, False
+        try:
+            while out is not None:
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+                out = await self._next(gen)
+            finished = True
+        finally:
+            self.in_flight[i] -= 1
+            if not finished:
+                self.replicas[i].abort.remote(request_id)
+
+    def abort(self, request_id: str) -> None:
+        for replica in self.replicas:  # only the one serving it knows it; the others ignore the id
+            replica.abort.remote(request_id)
+
