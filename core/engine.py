@@ -14,6 +14,7 @@ from kvforge.config import EngineConfig
 from kvforge.drafter import Drafter
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.executor import Executor, default_backend
+from kvforge.input_checks import bad_words_token_ids, check_request, tokenize_prompt
 from kvforge.model_loader import load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
 from kvforge.output_processor import OutputProcessor, ParentState
@@ -181,56 +182,10 @@ class LLMEngine:
             self._logits_processors[name] = proc
         return proc
 
-    def _check_sampling(self, params: SamplingParams) -> None:
-        """Checks that need the model or the plugins; ``ValueError`` naming the field."""
-        vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
-            ids = getattr(params, name)
-            if ids and max(ids) >= vocab:
-                raise ValueError(f"{name}: token ids must be < the vocabulary size {vocab}")
-        for name in params.logits_processors or []:
-            if name not in self.plugin_manager.names("logits_processor"):
-                raise ValueError(f"logits_processors: unknown logits processor {name!r}; valid names: "
-                                 f"{', '.join(self.plugin_manager.names('logits_processor')) or '(none)'}")
-        if (params.bad_words or params.structured_outputs) and self.tokenizer is None:
-            field = "bad_words" if params.bad_words else "structured_outputs"
-            raise ValueError(f"{field}: needs a tokenizer, and this model has none")
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's token ids, with and without a leading space (as vLLM does)."""
-        out: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            if not plain:
-                raise ValueError(f"bad_words: {word!r} tokenizes to no tokens, so it cannot be blocked")
-            out.append(plain)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return out
-
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError("prompt_token_ids: expected a list of integers")
-                return text, list(ids)
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        """(text or None, token ids) of a prompt; ``ValueError`` naming the field."""
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def process_inputs(self, request_id: str | None, prompt: str | list[int] | dict,
                        params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -245,22 +200,9 @@ class LLMEngine:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params = params.clone() if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got one out of range")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens is longer than max_model_len={self.max_model_len} "
-                             f"allows (at most {self.max_model_len - 1}, leaving room for one output token)")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > self.config.max_logprobs:
-                raise ValueError(f"{name}: {v} is more than max_logprobs={self.config.max_logprobs}")
-        self._check_sampling(params)
-        if params.n > min(self.config.max_n, self.config.max_num_seqs):
-            raise ValueError(f"n: {params.n} is more than the limit of {min(self.config.max_n, self.config.max_num_seqs)} "
-                             f"(max_n={self.config.max_n}, max_num_seqs={self.config.max_num_seqs})")
+        check_request(ids, params, config=self.config, vocab_size=self.model_config.vocab_size,
+                      max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+                      logits_processors=self.plugin_manager.names("logits_processor"))
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         room = self.max_model_len - len(ids)
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
@@ -278,7 +220,7 @@ class LLMEngine:
             req = Request(rid, ids, child_params, prompt=text, priority=priority,
                           max_tokens=min(params.max_tokens or room, room))
             if params.bad_words:
-                req.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+                req.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             if params.structured_outputs is not None:
                 req.grammar = self.structured_outputs.state(params.structured_outputs)
             if arrival_time is not None:

@@ -10,6 +10,8 @@ selected by ``distributed_executor_backend``; ``uni`` (one rank, in process) is 
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -110,6 +112,13 @@ def start_driver(spec: WorkerSpec, watch: Callable[[], bool]) -> Worker:
     return built["worker"]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def default_backend(world_size: int, device: torch.device) -> str:
     """vLLM's rule: ``uni`` for one rank; ``ray`` when a Ray cluster is already running (this process is
     connected to one, ``RAY_ADDRESS`` is set, or ``ray start`` ran on this node) or the world is larger
@@ -124,7 +133,5 @@ def default_backend(world_size: int, device: torch.device) -> str:
 
 
 def _ray_initialized() -> bool:
-    import sys
-
     ray = sys.modules.get("ray")  # imported only if the user already uses Ray
     return ray is not None and ray.is_initialized()

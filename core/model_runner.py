@@ -19,7 +19,8 @@ from kvforge.rejection_sampler import VerifiedTokens, rejection_sample
 from kvforge.sampler import DraftRow, Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
 from kvforge.step_handle import StepHandle, logprob_tensors
-from kvforge.step_input import StepInputBuilder, StepPlan
+from kvforge.step_input import StepInput, StepInputBuilder, StepPlan
+from kvforge.worker import ForwardOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,7 @@ class ModelRunner:
                              and graphs.head(graph_key) is not None
                              and all(self.sampler.plain_greedy(r) for r in plan.sample_reqs))
             step.compute_logits = not plan.use_head
-        handle = None
-        sink = None
-        if plan.prompt_spans:
-            sink, parts = self._prompt_sink(plan)
+        sink, parts = self._prompt_sink(plan) if plan.prompt_spans else (None, None)
         fwd = None
         if step.has_work:
             fwd = self.executor.execute_model(step, prev.tokens if step.fill_dst is not None else None, sink)
@@ -86,10 +84,17 @@ class ModelRunner:
         handle = StepHandle(fwd.buf, self.device)
         if plan.prompt_spans:
             handle.prompt_logprobs = (plan.prompt_spans, {key: torch.cat([p[key] for p in parts]) for key in parts[0]})
+        if plan.sample_reqs:
+            self._tokens(fwd, step, plan, out, handle)
+        handle.finish()
+        return handle
+
+    def _tokens(self, fwd: ForwardOutput, step: StepInput, plan: StepPlan, out: SchedulerOutput,
+                handle: StepHandle) -> None:
+        """The step's tokens from the driver's results: the graph's greedy head, the rejection
+        sampler (drafts), or the sampler."""
         reqs = plan.sample_reqs
-        if not reqs:
-            pass
-        elif plan.use_head:
+        if plan.use_head:
             handle.set_verified(fwd.head[:len(reqs)], reqs)  # verified inside the graph
             self.num_graph_verifications += 1
         elif plan.row_counts is not None:  # the step verifies drafts
@@ -107,8 +112,6 @@ class ModelRunner:
                 k = max(reqs[i].sampling_params.logprobs for i in want)
                 idx = h2d(want, torch.long, self.device)
                 handle.logprobs = ([reqs[i] for i in want], logprob_tensors(logits[idx], tokens[idx], k))
-        handle.finish()
-        return handle
 
     def release(self, request_ids: set[str]) -> None:
         """Forget ended requests now, on the driver and on every rank, without a step (the engine

@@ -180,15 +180,16 @@ class Worker:
         inter = None
         if not self.stage.is_first:  # a stage's input is the stage before's (hidden, residual)
             inter = tuple(torch.zeros((n, self.hidden_size), dtype=self.dtype, device=self.device) for _ in range(2))
-        hidden = logits = self.model(ids, pos, caches, meta, **({"intermediate": inter} if inter else {}))
+        hidden = self.model(ids, pos, caches, meta, **({"intermediate": inter} if inter else {}))
         if self.stage.is_last:
             rows = min(max(max_num_seqs, self.prompt_logprobs_rows()), n)  # sampling, or a prompt-logprobs slice
             logits = self.model.compute_logits(hidden[:rows]).float()
             torch.softmax(logits, dim=-1).sort(dim=-1)
             logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=self.device), 20)
+            del logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - cache_bytes
-        del caches, hidden, logits, meta
+        del caches, hidden, meta
         torch.cuda.empty_cache()
         return peak
 

@@ -129,7 +129,9 @@ def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str 
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # off the event loop: a data-parallel engine asks its replicas (a round trip) for the counters
+        text = await asyncio.to_thread(metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -29,39 +29,33 @@ class _EngineCollector:
             c.add_metric([self.model], value)
             return c
 
+        def by(family, name, doc, label, values):
+            """One series per (label value, value) pair of ``values``."""
+            f = family(name, doc, labels=[*labels, label])
+            for key, value in values:
+                f.add_metric([self.model, str(key)], value)
+            return f
+
         yield gauge("kvforge:num_requests_running", "Sequences in the running batch.", s["num_running"])
         yield gauge("kvforge:num_requests_waiting", "Sequences waiting to be scheduled.", s["num_waiting"])
         yield gauge("kvforge:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s["kv_cache_usage"])
         yield counter("kvforge:prefix_cache_queries", "Tokens looked up in the prefix cache.", s["prefix_cache_queries"])
         yield counter("kvforge:prefix_cache_hits", "Tokens found in the prefix cache.", s["prefix_cache_hits"])
         yield counter("kvforge:num_preemptions", "Preemptions of running sequences.", s["num_preemptions"])
-        by_mode = CounterMetricFamily("kvforge:num_preemptions_by_mode", "Preemptions by mode.",
-                                      labels=["model_name", "mode"])
-        for mode in ("recompute", "swap"):
-            by_mode.add_metric([self.model, mode], s[f"num_preemptions_{mode}"])
-        yield by_mode
+        yield by(CounterMetricFamily, "kvforge:num_preemptions_by_mode", "Preemptions by mode.", "mode",
+                 ((mode, s[f"num_preemptions_{mode}"]) for mode in ("recompute", "swap")))
         yield counter("kvforge:swapped_out_blocks", "KV blocks copied to the CPU swap pool.",
                       s["num_swapped_out_blocks"])
         yield gauge("kvforge:num_requests_swapped", "Sequences whose KV blocks wait in the CPU swap pool.",
                     s["num_swapped"])
-        by_priority = GaugeMetricFamily("kvforge:num_requests_waiting_by_priority",
-                                        "Sequences waiting to be scheduled, by request priority.",
-                                        labels=["model_name", "priority"])
-        for priority, n in s["waiting_by_priority"].items():
-            by_priority.add_metric([self.model, str(priority)], n)
-        yield by_priority
-        by_rank = GaugeMetricFamily("kvforge:rank_batch_requests",
-                                    "Requests a rank holds block tables for, as of the engine's last idle moment.",
-                                    labels=["model_name", "rank"])
-        for rank, n in enumerate(s["rank_batch_requests"]):
-            by_rank.add_metric([self.model, str(rank)], n)
-        yield by_rank
+        yield by(GaugeMetricFamily, "kvforge:num_requests_waiting_by_priority",
+                 "Sequences waiting to be scheduled, by request priority.", "priority", s["waiting_by_priority"].items())
+        yield by(GaugeMetricFamily, "kvforge:rank_batch_requests",
+                 "Requests a rank holds block tables for, as of the engine's last idle moment.", "rank",
+                 enumerate(s["rank_batch_requests"]))
         if "data_parallel_routed" in s:  # --data-parallel-size > 1
-            routed = CounterMetricFamily("kvforge:data_parallel_requests", "Requests sent to each engine replica.",
-                                         labels=["model_name", "replica"])
-            for replica, n in enumerate(s["data_parallel_routed"]):
-                routed.add_metric([self.model, str(replica)], n)
-            yield routed
+            yield by(CounterMetricFamily, "kvforge:data_parallel_requests", "Requests sent to each engine replica.",
+                     "replica", enumerate(s["data_parallel_routed"]))
         yield counter("kvforge:prompt_tokens", "Prompt tokens processed.", s["num_prompt_tokens"])
         yield counter("kvforge:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
         spec = s.get("spec_decode")
@@ -70,12 +64,9 @@ class _EngineCollector:
             yield counter("kvforge:spec_decode_num_draft_tokens", "Draft tokens verified.", spec["num_draft_tokens"])
             yield counter("kvforge:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                           spec["num_accepted_tokens"])
-            by_pos = CounterMetricFamily("kvforge:spec_decode_num_accepted_tokens_per_pos",
-                                         "Draft tokens accepted, by position in the draft.",
-                                         labels=["model_name", "position"])
-            for pos, n in enumerate(spec["accepted_by_position"]):
-                by_pos.add_metric([self.model, str(pos)], n)
-            yield by_pos
+            yield by(CounterMetricFamily, "kvforge:spec_decode_num_accepted_tokens_per_pos",
+                     "Draft tokens accepted, by position in the draft.", "position",
+                     enumerate(spec["accepted_by_position"]))
             yield gauge("kvforge:spec_decode_acceptance_rate", "Accepted / verified draft tokens since start.",
                         spec["acceptance_rate"])
             yield gauge("kvforge:spec_decode_mean_accepted_length",

@@ -20,7 +20,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvforge.executor import Executor, WorkerFailure, start_driver
+from kvforge.executor import Executor, WorkerFailure, free_port, start_driver
 from kvforge.step_input import StepInput
 from kvforge.worker import ForwardOutput, Worker, WorkerSpec
 
@@ -45,7 +44,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, spec: WorkerSpec):
         if spec.init_method is None:
-            spec = dataclasses.replace(spec, init_method=f"tcp://127.0.0.1:{_free_port()}")
+            spec = dataclasses.replace(spec, init_method=f"tcp://127.0.0.1:{free_port()}")
         super().__init__(spec)
         self._closing = False
         self._lock = threading.Lock()  # one pipe conversation at a time
@@ -266,9 +265,3 @@ def _stop_processes(procs: list[subprocess.Popen]) -> None:
                 break
             except subprocess.TimeoutExpired:
                 continue
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -12,13 +12,12 @@ import collections
 import dataclasses
 import logging
 import os
-import socket
 import time
 from typing import Any, Callable
 
 import torch
 
-from kvforge.executor import Executor, WorkerFailure, start_driver
+from kvforge.executor import Executor, WorkerFailure, free_port, start_driver
 from kvforge.step_input import StepInput
 from kvforge.worker import ForwardOutput, Worker, WorkerSpec
 
@@ -73,7 +72,7 @@ class RayExecutor(Executor):
             ray.init()  # RAY_ADDRESS, a running local cluster, or a new one
         ip = ray.util.get_node_ip_address()
         if spec.init_method is None:
-            spec = dataclasses.replace(spec, init_method=f"tcp://{ip}:{_free_port()}")
+            spec = dataclasses.replace(spec, init_method=f"tcp://{ip}:{free_port('')}")
         super().__init__(spec)
         self._closing = False
         self.actors: dict[int, Any] = {}
@@ -238,9 +237,3 @@ class RayExecutor(Executor):
 def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[-1] if text else ''}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

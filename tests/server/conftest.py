@@ -83,6 +83,15 @@ def metric(server, name: str) -> float:
     raise KeyError(name)
 
 
+def metric_by_label(server, name: str, label: str) -> dict[str, float]:
+    """Every series of the metric ``name`` (a counter's ``_total`` included) by the value of ``label``."""
+    out = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            out[line.split(f'{label}="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def hang_up_mid_stream(server, prompt: str = "Write a long story about the sea.", max_tokens: int = 300,
                        chunks: int = 3, while_open=None) -> None:
     """Start a streaming completion, read ``chunks`` SSE events, call ``while_open()`` (the request is

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServerProcess, hang_up_mid_stream, metric, wait_until
+from conftest import ServerProcess, hang_up_mid_stream, metric, metric_by_label, wait_until
 
 pytest.importorskip("ray")
 
@@ -18,11 +18,7 @@ PROMPTS = [f"Tell me one fact about the number {i}." for i in range(6)]
 
 
 def routed(server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("kvforge:data_parallel_requests_total{"):
-            out[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_by_label(server, "kvforge:data_parallel_requests_total", "replica")
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,12 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, hang_up_mid_stream, metric, wait_until
+from conftest import ServerProcess, hang_up_mid_stream, metric, metric_by_label, wait_until
 
 
 def rank_requests(server) -> dict[str, float]:
     """``kvforge:rank_batch_requests`` by rank label."""
-    out = {}
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("kvforge:rank_batch_requests{"):
-            out[line.split('rank="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_by_label(server, "kvforge:rank_batch_requests", "rank")
 
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
