@@ -1,7 +1,8 @@
-"""``kvforge bench``: throughput, latency and serving benchmarks, with transformers as the peer.
+"""``kvforge bench``: throughput, latency and serving benchmarks, with vLLM and transformers as peers.
 
 Modules: ``workloads`` (seeded random-token requests), ``metrics`` (percentiles, roofline),
 ``report`` (table, JSON, plot), ``peers`` (transformers ``generate`` and continuous batching),
+``vllm_peer`` and ``vllm_worker`` (vLLM in a subprocess of its own),
 ``throughput``, ``latency`` and ``serve`` (one per subcommand) and ``cli`` (the argparse entry point,
 registered in the ``kvforge.cli`` group). docs/benchmarks.md describes the commands and columns.
 """
@@ -9,4 +10,4 @@ registered in the ``kvforge.cli`` group). docs/benchmarks.md describes the comma
 #: ``--dataset`` choices (kvforge.bench.workloads) and ``--vs`` choices (kvforge.bench.peers); here so
 #: that building the ``kvforge`` parser imports no torch
 DATASETS = ("fixed", "uniform", "shared-prefix", "edit")
-PEERS = ("hf-generate", "hf-continuous")
+PEERS = ("hf-generate", "hf-continuous", "vllm")

@@ -14,13 +14,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
     tp = _add(sub, "throughput", "the whole workload offline at once; --vs adds transformers peers", _throughput)
     tp.add_argument("--vs", action="append", default=[], choices=PEERS,
-                    help="also run a peer on the same workload in this process (repeatable)")
+                    help="also run a peer on the same workload (repeatable): transformers in this process, "
+                         "vLLM in a subprocess of its own")
     tp.add_argument("--hf-batch-size", type=int, default=256, help="static batch size of --vs hf-generate")
 
     lat = _add(sub, "latency", "end-to-end latency of one batch (as vLLM's benchmark_latency)", _latency)
     lat.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
     lat.add_argument("--num-iters-warmup", type=int, default=3, help="untimed iterations first")
     lat.add_argument("--num-iters", type=int, default=10, help="timed iterations")
+    lat.add_argument("--vs", action="append", default=[], choices=["vllm"],
+                     help="also run vLLM (in a subprocess of its own) on the same batches")
 
     srv = _add(sub, "serve", "streaming /v1/completions load against the OpenAI-compatible server", _serve)
     srv.add_argument("--request-rate", type=float, default=float("inf"),
@@ -33,6 +36,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="start `kvforge serve` as a subprocess instead of in this process")
     srv.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
     srv.add_argument("--api-key", default=None, help="bearer key for --base-url")
+    srv.add_argument("--vs", action="append", default=[], choices=["vllm"],
+                     help="then start `vllm serve` on the same port with the same model and drive it with the "
+                          "same load (implies --server-process)")
 
 
 def _add(sub: argparse._SubParsersAction, name: str, help: str, func: Callable) -> argparse.ArgumentParser:
@@ -49,6 +55,11 @@ def _add(sub: argparse._SubParsersAction, name: str, help: str, func: Callable) 
                    help="uniform: lengths in [len * (1 - r), len * (1 + r)]")
     w.add_argument("--prefix-len", type=int, default=None,
                    help="shared-prefix: prompt tokens every request shares (default: input-len // 2)")
+    v = p.add_argument_group("vLLM as a peer (--vs vllm)")
+    v.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="interpreter that imports vLLM (default: this one)")
+    v.add_argument("--vllm-path", action="append", default=[], metavar="DIR",
+                   help="put DIR in front of vLLM's PYTHONPATH (repeatable), e.g. where its wheels are unpacked")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="FILE", help="write every number (args, device, rows) here")
     o.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart (needs matplotlib)")

@@ -1,16 +1,33 @@
 """Percentiles of per-request latencies, and the roofline that throughput is measured against.
 
-Roofline (an estimate of the fastest the hardware could run a workload, from the model's shape):
-- a decode step streams every weight once plus the live KV cache of the running batch, at the
-  measured copy ``bandwidth`` (bytes/s);
-- prefill costs ``2 * params`` FLOPs per prompt token, at the measured matmul rate ``flops`` (FLOP/s).
-Attention FLOPs, prefix-cache hits and host overhead are left out. Weights count the embedding table
-and, if untied, the LM head (the formula of the original benchmarks/throughput.py).
+Roofline: the fastest the hardware could run a workload, from the model's shape and two measured
+ceilings, the copy ``bandwidth`` (bytes/s) and the matmul rate ``flops`` (FLOP/s). A step runs two
+kinds of kernels one after the other, the matmuls (every layer's weights and the LM head) and
+attention (the batch's KV cache), and each kind is held by whichever of its two ceilings it hits
+first:
+
+    step = max(weight bytes / bandwidth, matmul FLOPs / flops) + max(KV bytes / bandwidth, attention FLOPs / flops)
+
+so a decode step is bandwidth-bound at small batches and its matmuls compute-bound at large ones
+(past ``itemsize * flops / (2 * bandwidth)`` sequences: 183 in bf16 on an H200). Matmul FLOPs are ``2 * weights`` per token;
+attention FLOPs ``4 * layers * q_heads * head_dim`` per (query, key) pair (QK^T and PV). A step
+streams every layer's matrices and the LM head; the embedding table is only gathered.
+
+Prefill is compute-bound: ``2 * layer weights`` FLOPs per computed prompt token, the LM head once
+per prompt (only the last token's logits are needed) and causal attention. A prompt token that
+another prompt of the workload already computed (a shared prefix) is not computed again: the work
+is the token count of the workload's prompt trie. Decode is simulated as ideal continuous batching:
+``max_num_seqs`` slots, each step every running request computes one token, a finished request's
+slot is refilled at once; a request's first output token comes from its prefill. Host work is left
+out.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable
+
+import numpy as np
 
 from kvforge.bench.workloads import BenchRequest
 
@@ -40,46 +57,140 @@ def summarize(values: Iterable[float], scale: float = 1.0) -> dict[str, float] |
     return {"mean": sum(xs) / len(xs), "p50": percentile(xs, 50), "p99": percentile(xs, 99), "n": len(xs)}
 
 
-def param_count(mc: Any) -> int:
-    """Weights of a Llama-family ``ModelConfig`` (norms and biases left out)."""
-    h, inter, layers = mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers
+# -- the model's shape ----------------------------------------------------------------------------------
+def layer_params(mc: Any) -> int:
+    """Matmul weights of every decoder layer of a Llama-family ``ModelConfig`` (norms left out)."""
+    h, inter = mc.hidden_size, mc.intermediate_size
     q = mc.num_attention_heads * mc.head_dim
     kv = mc.num_key_value_heads * mc.head_dim
-    return layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
+    return mc.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+
+
+def lm_head_params(mc: Any) -> int:
+    return mc.vocab_size * mc.hidden_size
+
+
+def param_count(mc: Any) -> int:
+    """Every weight the model stores: the layers, the embedding table and, if untied, the LM head."""
+    return layer_params(mc) + lm_head_params(mc) * (1 if mc.tie_word_embeddings else 2)
+
+
+def step_weight_bytes(mc: Any, itemsize: int) -> int:
+    """Bytes of weights one forward step streams: the layers' matrices and the LM head."""
+    return (layer_params(mc) + lm_head_params(mc)) * itemsize
 
 
 def kv_bytes_per_token(mc: Any, itemsize: int) -> int:
     return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
 
 
-def decode_step_floor_s(mc: Any, itemsize: int, batch: int, avg_context: float, bandwidth: float) -> float:
-    """Seconds one decode step needs at least: weights + ``batch * avg_context`` tokens of KV at ``bandwidth``."""
-    return (param_count(mc) * itemsize + batch * avg_context * kv_bytes_per_token(mc, itemsize)) / bandwidth
+def attention_flops(mc: Any, pairs: float) -> float:
+    """FLOPs of attention over ``pairs`` (query, key) pairs, every layer and head: QK^T and PV."""
+    return 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * pairs
 
 
-def roofline_seconds(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int,
-                     bandwidth: float, flops: float) -> float:
-    """Seconds the workload needs at least, if requests run in waves of ``max_num_seqs``.
+# -- one step ------------------------------------------------------------------------------------------
+def decode_step_floor_s(mc: Any, itemsize: int, batch: int, context_sum: float, bandwidth: float,
+                        flops: float) -> float:
+    """Seconds a decode step of ``batch`` sequences needs at least, whose contexts (keys each new token
+    attends to, itself included) add up to ``context_sum``: the matmuls, then attention, each at
+    the slower of its two ceilings."""
+    matmuls = max(step_weight_bytes(mc, itemsize) / bandwidth,
+                  2 * (layer_params(mc) + lm_head_params(mc)) * batch / flops)
+    attention = max(context_sum * kv_bytes_per_token(mc, itemsize) / bandwidth,
+                    attention_flops(mc, context_sum) / flops)
+    return matmuls + attention
 
-    Each wave takes as many decode steps as its longest output; every step streams the weights, and
-    over a request's life its KV reads add up to ``output_len * (input_len + output_len / 2)`` tokens
-    (its average context per step).
-    For equal lengths this is the original ``roofline_tok_s`` of benchmarks/throughput.py.
-    """
-    params = param_count(mc)
-    batch = max(1, min(max_num_seqs, len(workload)))
-    steps = sum(max(r.output_len for r in workload[i:i + batch]) for i in range(0, len(workload), batch))
-    kv_tokens = sum(r.output_len * (r.input_len + r.output_len / 2) for r in workload)
-    decode_s = (steps * params * itemsize + kv_tokens * kv_bytes_per_token(mc, itemsize)) / bandwidth
-    prefill_s = 2 * params * sum(r.input_len for r in workload) / flops
-    return decode_s + prefill_s
+
+def prefill_floor_s(mc: Any, tokens: int, pairs: float, prompts: int, flops: float) -> float:
+    """Seconds computing ``tokens`` prompt tokens of ``prompts`` prompts needs at least, their causal
+    attention covering ``pairs`` (query, key) pairs: compute-bound."""
+    return (2 * layer_params(mc) * tokens + 2 * lm_head_params(mc) * prompts + attention_flops(mc, pairs)) / flops
+
+
+# -- a whole workload ----------------------------------------------------------------------------------
+def prefill_work(workload: list[BenchRequest]) -> tuple[int, int]:
+    """``(tokens, pairs)`` the workload's prompts need computed: a token that an earlier prompt (in
+    sorted order: the prompt trie) already computed is skipped, but every prompt computes at least
+    its last token (its logits). Token at position p attends to p + 1 keys."""
+    tokens = pairs = 0
+    prev: np.ndarray = np.zeros(0, dtype=np.int64)
+    for prompt in sorted(r.prompt_token_ids for r in workload):
+        cur = np.asarray(prompt, dtype=np.int64)
+        n = min(len(prev), len(cur))
+        diff = np.flatnonzero(prev[:n] != cur[:n])
+        shared = min(int(diff[0]) if len(diff) else n, len(cur) - 1)
+        tokens += len(cur) - shared
+        pairs += (len(cur) * (len(cur) + 1) - shared * (shared + 1)) // 2
+        prev = cur
+    return tokens, pairs
+
+
+def decode_steps(workload: list[BenchRequest], max_num_seqs: int) -> list[tuple[int, int]]:
+    """``(batch, context_sum)`` of every decode step of ideal continuous batching in workload order:
+    request i's decode step j (1 .. output_len - 1) computes the token at position input_len + j - 1."""
+    slots = max(1, max_num_seqs)
+    waiting = iter(workload)
+    running: list[list[int]] = []  # [context of the next step, steps left]
+    steps = []
+    while True:
+        while len(running) < slots:
+            r = next(waiting, None)
+            if r is None:
+                break
+            if r.output_len > 1:
+                running.append([r.input_len + 1, r.output_len - 1])
+        if not running:
+            return steps
+        steps.append((len(running), sum(c for c, _ in running)))
+        for s in running:
+            s[0] += 1
+            s[1] -= 1
+        running = [s for s in running if s[1]]
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The floor of a workload: seconds of prefill and decode, and how many decode steps there are
+    and how many of them have compute-bound matmuls."""
+
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    compute_bound_steps: int
+    output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "output_tok_s": self.tok_s, "prefill_s": self.prefill_s,
+                "decode_s": self.decode_s, "decode_steps": self.decode_steps,
+                "compute_bound_steps": self.compute_bound_steps}
+
+
+def roofline(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int,
+             bandwidth: float, flops: float) -> Roofline:
+    """The workload's floor (module docstring): prefill of its prompt trie, then ideal continuous
+    batching of its decode steps in slots of ``max_num_seqs``."""
+    tokens, pairs = prefill_work(workload)
+    steps = decode_steps(workload, max_num_seqs)
+    knee = step_weight_bytes(mc, itemsize) / bandwidth * flops / (2 * (layer_params(mc) + lm_head_params(mc)))
+    return Roofline(prefill_s=prefill_floor_s(mc, tokens, pairs, len(workload), flops),
+                    decode_s=sum(decode_step_floor_s(mc, itemsize, b, c, bandwidth, flops) for b, c in steps),
+                    decode_steps=len(steps), compute_bound_steps=sum(b > knee for b, _ in steps),
+                    output_tokens=sum(r.output_len for r in workload))
 
 
 def roofline_tok_s(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int,
                    bandwidth: float, flops: float) -> float:
-    """Output tokens/s at the roofline (see :func:`roofline_seconds`)."""
-    out = sum(r.output_len for r in workload)
-    return out / roofline_seconds(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
+    """Output tokens/s at the roofline (see :func:`roofline`)."""
+    return roofline(mc, workload, max_num_seqs, itemsize, bandwidth, flops).tok_s
 
 
 def resolve_ceilings(bandwidth: float | None, flops: float | None,

@@ -64,6 +64,7 @@ LATENCY_COLUMNS: list[Column] = [
     ("p99 s", 9, num("latency_p99_s", "{:.3f}")), ("prefill s", 10, num("prefill_s", "{:.3f}")),
     ("decode step ms", 15, num("decode_step_s", "{:.2f}", 1e3)),
     ("floor ms", 10, num("decode_floor_s", "{:.2f}", 1e3)), ("x floor", 8, num("floor_ratio", "{:.2f}")),
+    ("p50 vs kvforge", 15, num("vs_kvforge", "{:.2f}x")),
 ]
 
 

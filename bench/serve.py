@@ -3,7 +3,9 @@
 The server is started in this process (``create_app`` under uvicorn on a background thread, on a free
 loopback port), as a ``kvforge serve`` subprocess (``--server-process``), or not at all
 (``--base-url``, any OpenAI-compatible server). Cold start is engine construction (in-process) or
-process start (subprocess) until ``/health`` answers 200.
+process start (subprocess) until ``/health`` answers 200. With ``--vs vllm`` kvforge runs as a
+subprocess on a free port, then ``vllm serve`` of the same model on the same port, each driven by
+the same load in turn (``vllm_server``).
 
 Each request sends its prompt as token ids with ``ignore_eos: true``, ``max_tokens`` = its output
 length, ``temperature: 0`` and ``stream_options.include_usage``. Arrivals are Poisson at
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import socket
 import subprocess
@@ -94,29 +97,34 @@ class InProcessServer:
         self.thread.join(timeout=60)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ProcessServer:
-    """``python -m kvforge.cli serve`` with the same engine flags, on a free loopback port."""
+    """A server command as a subprocess on loopback ``port``, its output in a log file; cold start is
+    process start until ``/health`` answers 200."""
 
-    label = "kvforge serve (process)"
-
-    def __init__(self, args: argparse.Namespace, timeout: float):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    def __init__(self, cmd: list[str], port: int, timeout: float, label: str, env: dict | None = None):
+        self.label = label
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvforge-bench-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--port", str(port), *engine_argv(args)]
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(self.url, timeout, lambda: self.proc.poll() is None)
         except RuntimeError as exc:
-            self.log.flush()
-            with open(self.log.name) as f:  # read before stop() closes our handle
-                tail = f.read()[-3000:]
+            tail = self.output()[-3000:]
             self.stop()
             raise RuntimeError(f"{exc}; server log ({self.log.name}):\n{tail}") from None
         self.cold_start_s = time.perf_counter() - t0
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:  # read before stop() closes our handle
+            return f.read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -127,6 +135,46 @@ class ProcessServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def kvforge_server(args: argparse.Namespace, port: int, timeout: float) -> ProcessServer:
+    """``python -m kvforge.cli serve`` with the same engine flags."""
+    cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--port", str(port), *engine_argv(args)]
+    return ProcessServer(cmd, port, timeout, "kvforge serve (process)")
+
+
+def vllm_server(args: argparse.Namespace, config: Any, port: int, timeout: float, workdir: str) -> ProcessServer:
+    """``vllm serve`` of the same model (random weights where kvforge's are), served under kvforge's
+    model name, vLLM's defaults otherwise; without a tokenizer it is told to skip loading one."""
+    from kvforge.bench.vllm_peer import VllmPeer, llm_kwargs
+    from kvforge.model_loader import load_model_config, resolve_model_source
+    from kvforge.server.cli import default_served_name
+    from kvforge.tokenizer_source import tokenizer_for
+
+    peer = VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path))
+    source = resolve_model_source(config.model, config.load_format)
+    mc = load_model_config(source)
+    kwargs = llm_kwargs(source, mc, config.torch_dtype, args.seed or 0, workdir)
+    cmd = [peer.python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
+           "serve", kwargs["model"], "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"],
+           "--seed", str(kwargs["seed"]), "--served-model-name", default_served_name(config.model)]
+    if kwargs.get("load_format"):
+        cmd += ["--load-format", kwargs["load_format"]]
+    if tokenizer_for(config, source, mc) is None:
+        cmd.append("--skip-tokenizer-init")
+    elif source.kind == "dummy" and source.path is None:  # a preset: its config directory lacks the tokenizer
+        cmd += ["--tokenizer", tokenizer_source_dir(config, source, workdir)]
+    return ProcessServer(cmd, port, timeout, f"vLLM {peer.probe()} serve", env=peer.env())
+
+
+def tokenizer_source_dir(config: Any, source: Any, workdir: str) -> str:
+    """A directory holding the tokenizer kvforge uses for a preset (the default model's, saved by transformers)."""
+    from kvforge.model_loader import load_model_config
+    from kvforge.tokenizer_source import tokenizer_for
+
+    path = os.path.join(workdir, "tokenizer")
+    tokenizer_for(config, source, load_model_config(source)).save_pretrained(path)
+    return path
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -251,34 +299,78 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-rate: must be > 0 (inf sends every request at once), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    if args.vs and args.base_url:
+        raise ValueError("--vs vllm: starts both servers itself, so it cannot be combined with --base-url")
+    if args.vs:  # fail before anything starts if vLLM does not import
+        from kvforge.bench.vllm_peer import VllmPeer
+        VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path)).probe()
     kwargs = engine_kwargs(args)
     config = EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)
-    server: Any = None
+    mc = load_model_config(resolve_model_source(config.model, config.load_format))
+    tokenizer = None
+    if args.dataset == "edit":  # text prompts: the model's own tokenizer
+        from kvforge.tokenizer_source import tokenizer_for
+        tokenizer = tokenizer_for(config, resolve_model_source(config.model, config.load_format), mc)
+    workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
+    warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
+                         seed=(args.seed or 0) + 1_000_003)[0]
+    dtype = dev = max_num_seqs = None
+    rows = []
     if args.base_url:
-        url, label, cold = args.base_url.rstrip("/"), args.base_url.rstrip("/"), None
-        mc = load_model_config(resolve_model_source(config.model, config.load_format))
-        device, dtype, dev, max_len, max_num_seqs = "remote", None, None, None, None
+        rows.append(measure(args, args.base_url.rstrip("/"), args.base_url.rstrip("/"), None, workload, warm))
+        device = "remote"
     else:
-        server = InProcessServer(config, args.server_timeout) if not args.server_process else \
-            ProcessServer(args, args.server_timeout)
-        url, label, cold = server.url, server.label, server.cold_start_s
-        if isinstance(server, InProcessServer):
+        dtype, dev, max_num_seqs = config.torch_dtype, config.torch_device, config.max_num_seqs
+        if args.server_process or args.vs:
+            port = free_port()  # every server in turn on the same port
+            server: Any = kvforge_server(args, port, args.server_timeout)
+        else:
+            server = InProcessServer(config, args.server_timeout)
             eng = server.engine.engine
-            mc, max_len, dtype, dev = eng.model_config, eng.max_model_len, eng.dtype, eng.device
-        else:  # the child resolves the same config the same way
-            mc = load_model_config(resolve_model_source(config.model, config.load_format))
-            max_len, dtype, dev = None, config.torch_dtype, config.torch_device
-        device, max_num_seqs = device_name(dev), config.max_num_seqs
+            check_fits(workload, eng.max_model_len)
+            dtype, dev = eng.dtype, eng.device
+        rows.append(measure(args, server.url, server.label, server, workload, warm))
+        if args.vs:
+            with tempfile.TemporaryDirectory(prefix="kvforge-vllm-model-") as tmp:
+                server = vllm_server(args, config, port, args.server_timeout, tmp)
+                row = measure(args, server.url, server.label, server, workload, warm)
+            rows.append(row)
+        device = device_name(dev)
+    roofline = bandwidth = flops = None
+    if dtype is not None:
+        bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, torch.device(dev).type)
+        if bandwidth and flops:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            roofline = roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
+    derive(rows, workload, roofline)
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    cold = rows[0]["cold_start_s"]
+    print(f"\n{config.model or 'default model'} on {device}: {len(workload)} streaming requests ({args.dataset}) "
+          f"at {rate} req/s, max concurrency {args.max_concurrency or 'unlimited'}; "
+          + (f"cold start {cold:.2f} s" if cold is not None else "external server"))
+    print(report.format_table(rows, report.SERVE_COLUMNS))
+    for row in rows:
+        if row["failed"]:
+            print(f"    {row['engine']}: {row['failed']} failed; first error: {row['errors'][0]}")
+        if row.get("attention_backend"):
+            print(f"    {row['engine']}: attention backend {row['attention_backend']}")
+    if rows[0]["spec_decode"]:
+        print(describe_spec(rows[0]["spec_decode"]))
+    finish(args, "serve", device, str(dtype).removeprefix("torch.") if dtype else None, mc, workload, rows,
+           {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops,
+            "base_url": rows[0].get("url")})
+    if args.plot:
+        report.write_plot(args.plot, rows, "output_tok_s", "output tokens/s", f"{rows[0]['engine']}: {rate} req/s",
+                          roofline)
+    return 0 if all(row["failed"] == 0 for row in rows) else 1
+
+
+def measure(args: argparse.Namespace, url: str, label: str, server: Any, workload: list[BenchRequest],
+            warm: BenchRequest) -> dict:
+    """One server's row: the load, then the server stopped (if we started it)."""
+    from kvforge.bench.vllm_peer import attention_backend
+
     try:
-        tokenizer = None
-        if args.dataset == "edit":  # text prompts: the model's own tokenizer
-            from kvforge.tokenizer_source import tokenizer_for
-            tokenizer = tokenizer_for(config, resolve_model_source(config.model, config.load_format), mc)
-        workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
-        if max_len:
-            check_fits(workload, max_len)
-        warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
-                             seed=(args.seed or 0) + 1_000_003)[0]
         model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
                           if args.api_key else {}, timeout=30).json()["data"][0]["id"]
         spec_before = _spec_counters(url)
@@ -286,28 +378,12 @@ def run(args: argparse.Namespace) -> int:
                                                  args.max_concurrency, args.seed or 0, args.api_key))
         spec = spec_delta(spec_before, _spec_counters(url))
     finally:
+        log = server.output() if isinstance(server, ProcessServer) else ""
         if server is not None:
             server.stop()
-    row = {"engine": label, "seconds": duration, "cold_start_s": cold, "request_rate": args.request_rate,
-           "max_concurrency": args.max_concurrency, "spec_decode": spec} | summarize_results(results, workload)
-    roofline = bandwidth = flops = None
-    if dtype is not None:
-        bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, torch.device(dev).type)
-        if bandwidth and flops:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            roofline = roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
-    derive([row], workload, roofline)
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-    print(f"\n{config.model or 'default model'} on {device}: {len(workload)} streaming requests ({args.dataset}) "
-          f"at {rate} req/s, max concurrency {args.max_concurrency or 'unlimited'}; "
-          + (f"cold start {cold:.2f} s" if cold is not None else "external server"))
-    print(report.format_table([row], report.SERVE_COLUMNS))
-    if row["failed"]:
-        print(f"    {row['failed']} failed; first error: {row['errors'][0]}")
-    if spec:
-        print(describe_spec(spec))
-    finish(args, "serve", device, str(dtype).removeprefix("torch.") if dtype else None, mc, workload, [row],
-           {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops, "base_url": url})
-    if args.plot:
-        report.write_plot(args.plot, [row], "output_tok_s", "output tokens/s", f"{label}: {rate} req/s", roofline)
-    return 0 if row["failed"] == 0 else 1
+    row = {"engine": label, "url": url, "seconds": duration,
+           "cold_start_s": server.cold_start_s if server is not None else None,
+           "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "spec_decode": spec}
+    if label.startswith("vLLM"):
+        row["attention_backend"] = attention_backend(log)
+    return row | summarize_results(results, workload)

@@ -10,17 +10,21 @@ ITL is the gap between a request's consecutive deltas (one token each without sp
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
 import torch
 
 from kvforge.bench import report
-from kvforge.bench.metrics import resolve_ceilings, roofline_tok_s, summarize
+from kvforge.bench.metrics import resolve_ceilings, roofline, summarize
 from kvforge.bench.peers import free_memory, run_peer, sync
 from kvforge.bench.spec_stats import describe as describe_spec
 from kvforge.bench.spec_stats import spec_delta
 from kvforge.bench.workloads import BenchRequest, check_fits, make_workload
+
+#: output tokens of each warm-up request
+WARM_TOKENS = 4
 
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
@@ -41,13 +45,18 @@ def workload_for(args: argparse.Namespace, vocab_size: int, num_prompts: int | N
                          prefix_len=args.prefix_len, tokenizer=tokenizer)
 
 
+def warm_prompts(args: argparse.Namespace, vocab_size: int, n: int) -> list[list[int]]:
+    """Prompts unlike the workload's (another seed), so that no timed prompt is prefix-cached."""
+    return [r.prompt_token_ids for r in make_workload("fixed", min(8, n), args.input_len, WARM_TOKENS,
+                                                      vocab_size, seed=(args.seed or 0) + 1_000_003)]
+
+
 def warm_up(llm: Any, args: argparse.Namespace, n: int) -> None:
-    """A short generate of prompts unlike the workload's, so that no timed prompt is prefix-cached."""
+    """A short generate of :func:`warm_prompts`."""
     from kvforge import SamplingParams
 
-    warm = make_workload("fixed", min(8, n), args.input_len, 4, llm.llm_engine.model_config.vocab_size,
-                         seed=(args.seed or 0) + 1_000_003)
-    llm.generate([r.prompt_token_ids for r in warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(warm_prompts(args, llm.llm_engine.model_config.vocab_size, n),
+                 SamplingParams(max_tokens=WARM_TOKENS, ignore_eos=True), use_tqdm=False)
     sync(llm.llm_engine.device)
 
 
@@ -127,7 +136,45 @@ def describe(args: argparse.Namespace, model: str, device: str, workload: list[B
                    f"{flops / 1e12:.3g} TFLOP/s)")
 
 
+def model_of(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """``(config, source, model config, tokenizer)`` of the engine flags, without building an engine."""
+    from kvforge.cli import engine_kwargs
+    from kvforge.config import EngineConfig
+    from kvforge.model_loader import load_model_config, resolve_model_source
+    from kvforge.tokenizer_source import tokenizer_for
+
+    kwargs = engine_kwargs(args)
+    config = EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)
+    source = resolve_model_source(config.model, config.load_format)
+    mc = load_model_config(source)
+    tokenizer = tokenizer_for(config, source, mc) if args.dataset == "edit" else None
+    return config, source, mc, tokenizer
+
+
+def vllm_peer(args: argparse.Namespace):
+    """The probed ``VllmPeer`` when ``--vs vllm`` is given (``ValueError`` if vLLM does not import), else None."""
+    if "vllm" not in args.vs:
+        return None
+    from kvforge.bench.vllm_peer import VllmPeer
+
+    peer = VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path))
+    print(f"--vs vllm: vLLM {peer.probe()} in {peer.python}", file=sys.stderr)
+    return peer
+
+
 def run(args: argparse.Namespace) -> int:
+    peer = vllm_peer(args)
+    vllm_row = None
+    if peer is not None:  # first, on a device nothing else holds yet
+        import tempfile
+
+        from kvforge.bench.vllm_peer import llm_kwargs, throughput_row
+
+        config, source, mc, tokenizer = model_of(args)
+        workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
+        with tempfile.TemporaryDirectory(prefix="kvforge-vllm-model-") as tmp:
+            vllm_row = throughput_row(peer, llm_kwargs(source, mc, config.torch_dtype, args.seed or 0, tmp),
+                                      workload, warm_prompts(args, mc.vocab_size, len(workload)), WARM_TOKENS)
     llm, load_s = build_llm(args)
     engine = llm.llm_engine
     mc, source, device, dtype = engine.model_config, engine.source, engine.device, engine.dtype
@@ -146,23 +193,28 @@ def run(args: argparse.Namespace) -> int:
     del llm, engine
     free_memory()
 
-    rows = [ours] + [run_peer(p, source, mc, workload, device, dtype, args.seed or 0, args.hf_batch_size)
-                     for p in args.vs]
+    rows = [ours] + ([vllm_row] if vllm_row else [])
+    rows += [run_peer(p, source, mc, workload, device, dtype, args.seed or 0, args.hf_batch_size)
+             for p in args.vs if p != "vllm"]
     bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    roofline = (roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
-                if bandwidth and flops else None)
-    derive(rows, workload, roofline)
+    floor = roofline(mc, workload, max_num_seqs, itemsize, bandwidth, flops) if bandwidth and flops else None
+    roofline_tok_s = floor.tok_s if floor else None
+    derive(rows, workload, roofline_tok_s)
     dev = device_name(device)
-    print("\n" + describe(args, model_name, dev, workload, roofline, bandwidth, flops))
+    print("\n" + describe(args, model_name, dev, workload, roofline_tok_s, bandwidth, flops))
     print(report.format_table(rows, report.THROUGHPUT_COLUMNS))
+    if vllm_row:
+        print(f"vLLM {vllm_row['vllm_version']}: attention backend {vllm_row['attention_backend'] or 'not logged'}; "
+              f"ready after {vllm_row.get('load_seconds', float('nan')):.1f} s (kvforge: {load_s:.1f} s)")
     if ours["spec_decode"]:
         print(describe_spec(ours["spec_decode"]))
     finish(args, "throughput", dev, str(dtype).removeprefix("torch."), mc, workload, rows,
-           {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops})
+           {"roofline_tok_s": roofline_tok_s, "roofline": floor.as_dict() if floor else None,
+            "bandwidth": bandwidth, "flops": flops})
     if args.plot:
         report.write_plot(args.plot, rows, "output_tok_s", "output tokens/s",
-                          describe(args, model_name, dev, workload, roofline, bandwidth, flops), roofline)
+                          describe(args, model_name, dev, workload, roofline_tok_s, bandwidth, flops), roofline_tok_s)
     return 0
 
 

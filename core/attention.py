@@ -23,6 +23,9 @@ class AttentionCapabilities:
     head_sizes: tuple[int, ...] | None = None  # None: any head size
     block_sizes: tuple[int, ...] | None = None  # None: any block size
     supports_cuda_graphs: bool = False
+    # the uniform query lengths its graphs can replay: None, any (decode and speculative verification
+    # of k drafts, q = 1 + k); (1,), decode only (verification steps then run eagerly)
+    cuda_graph_query_lens: tuple[int, ...] | None = None
     # build_metadata may run while the GPU still runs the previous step (async scheduling): it keeps
     # no host buffer that a queued copy of the previous step could still be reading
     supports_async_scheduling: bool = True

@@ -118,7 +118,9 @@ class LLMEngine:
             logger.info("CUDA graphs off: pipeline stages exchange hidden states outside graphs (docs/distributed.md)")
         elif (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
-            spec_q = (1 + self.spec.k,) if self.spec is not None else ()
+            graph_qs = attn_cls.capabilities.cuda_graph_query_lens
+            spec_q = tuple(q for q in ((1 + self.spec.k,) if self.spec is not None else ())
+                           if graph_qs is None or q in graph_qs)
             self.cuda_graph_capture_s = max(executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs,
                                                                     max_len, spec_q))
         num_cpu_blocks = min(executor.collective_rpc("initialize_swap_space", config.swap_space))

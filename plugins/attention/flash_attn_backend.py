@@ -16,6 +16,13 @@ and 128 were verified on the H200 (shared/gpu/README.md), 32 and 64 take the sam
 are not a multiple of 256 ("Paged KV cache block size must be divisible by 256", flash_api.cpp). FA4's
 SM100 head-256 kernel takes no ``seqused_k``, hence 64 and 128 only.
 
+CUDA graphs (decode and speculative verification, any uniform query length): the call reads only
+device tensors (``cu_seqlens_q``, ``seqused_k``/``cache_seqlens``, the page table) besides two host
+integers; a captured graph takes ``max_seqlen_q`` = its query length and ``max_seqlen_k`` = the
+longest context a replay may see (the block table's width), bounds that hold for every replay. New
+K/V are written by kvforge's Triton ``reshape_and_cache``, which skips the padding rows' slot -1.
+Verified on FA4 (the H200 has no FA2/FA3 build).
+
 All three align ``causal=True`` bottom-right when a sequence has more keys than queries (FA2 onward:
 query ``i`` of ``q_len`` over ``k_len`` keys sees keys ``<= k_len - q_len + i``), which is exactly a
 chunk after a cached prefix, and a decode token seeing its whole context.
@@ -30,6 +37,7 @@ import numpy as np
 import torch
 
 from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+from kvforge.plugins.attention.kv_write import write_kv
 
 INSTALL_HINT = ("flash_attn is not installed: pip install flash-attn-4 (FlashAttention-4, Hopper/Blackwell) "
                 "or pip install flash-attn")
@@ -109,7 +117,7 @@ class FlashAttnBackend(AttentionBackend):
     capabilities = AttentionCapabilities(
         devices=("cuda",),
         dtypes=(torch.float16, torch.bfloat16),
-        supports_cuda_graphs=False,
+        supports_cuda_graphs=True,
         min_compute_capability=(8, 0),
     )
 
@@ -156,15 +164,27 @@ class FlashAttnBackend(AttentionBackend):
             meta.extra["cu_seqlens_k"] = (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
         return meta
 
+    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """Host bounds that hold for every replay: the longest context is the block table's width."""
+        meta = self.build_metadata(layout)
+        meta.max_seq_len = layout.block_tables.shape[1] * self.block_size
+        return meta
+
+    def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
+        super().update_graph_metadata(meta, layout)
+        if self.implementation == "fa2":
+            cu_k = np.zeros(layout.num_seqs + 1, dtype=np.int32)
+            np.cumsum(layout.seq_lens, out=cu_k[1:])
+            meta.extra["cu_seqlens_k"].copy_(torch.from_numpy(cu_k), non_blocking=True)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         n = meta.num_tokens
         q = q[:n]
+        # NOTE: every new K/V of the step is written before the kernel reads the cache; slot -1 (graph
+        # padding) writes nothing
+        write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
-        hkv, d = self.num_kv_heads, self.head_size
-        # NOTE: every new K/V of the step is written before the kernel reads the cache
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], k[:n])
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], v[:n])
         if self.implementation == "fa4":
             out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
                            page_table=meta.block_tables, max_seqlen_q=meta.max_query_len,

@@ -13,6 +13,18 @@ index arrays (``1 <= last_page_len <= page_size``); ``causal=True`` aligns the m
 (query ``i`` of a ``q_len`` chunk over ``kv_len`` keys sees keys ``<= kv_len - q_len + i``), which is
 what a chunk after a cached prefix needs; ``run(q, (k_cache, v_cache), out=)``. The first plan of a
 dtype/head size JIT-compiles (minutes, then cached under ~/.cache/flashinfer).
+
+CUDA graphs (decode steps only: ``cuda_graph_query_lens=(1,)``): one decode wrapper per captured batch
+size, built with ``use_cuda_graph=True`` over index buffers of its own; ``plan()`` is re-run before
+each replay (it rewrites those buffers and the wrapper's device plan in place; in graph mode the
+split-KV layout depends on the batch size only, so the captured grid stays valid). New K/V are written
+by kvforge's Triton ``reshape_and_cache``, which skips the padding rows' slot -1.
+
+Async scheduling: ``plan()`` fills the wrapper's pinned host buffer and queues its copy to the
+device behind the running step. Before planning again, the backend waits on an event recorded after
+the previous plan (that copy runs as soon as the previous step's kernels end, which the engine has
+waited for by then), so the buffer is never rewritten under a queued copy. Index arrays go in pinned
+(fresh per step) or already on the device, so that no ``plan()`` copy blocks the host.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import numpy as np
 import torch
 
 from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+from kvforge.plugins.attention.kv_write import write_kv
 
 INSTALL_HINT = "flashinfer is not installed: pip install flashinfer-python"
 
@@ -84,14 +97,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16),
         head_sizes=(64, 128, 256),
         block_sizes=(16, 32, 64, 128),
-        # NOTE: not yet. Replaying a captured decode graph needs build_graph_metadata and
-        # update_graph_metadata: a decode wrapper per captured size built with use_cuda_graph=True
-        # over fixed index buffers and re-planned before each replay, and a K/V write that skips the
-        # padding rows' slot -1 (index_copy_ cannot). Until then graphs would replay a stale plan.
-        supports_cuda_graphs=False,
-        # plan() fills one pinned host buffer per wrapper and queues its copy to the device: planning
-        # the next step while the previous one's copy may still be queued could overwrite it
-        supports_async_scheduling=False,
+        supports_cuda_graphs=True,
+        cuda_graph_query_lens=(1,),  # verification steps (q > 1) run eagerly through the prefill wrapper
+        supports_async_scheduling=True,
         min_compute_capability=(8, 0),
     )
 
@@ -123,12 +131,41 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(**kwargs)
         import flashinfer
 
+        self._flashinfer = flashinfer
+        self._use_tensor_cores = decode_use_tensor_cores
         # NOTE: FlashInfer wants the float workspace zeroed before its first use
         self._workspace = torch.zeros(workspace_mib << 20, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=decode_use_tensor_cores)
+        self._graph_decode: dict[int, object] = {}  # captured batch size -> its use_cuda_graph wrapper
+        self._planned: torch.cuda.Event | None = None  # recorded after the last plan's copies were queued
         self._step = 0
+
+    def _pinned(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _on_device(self, a: np.ndarray) -> torch.Tensor:
+        return self._pinned(a).to(self.device, non_blocking=self.device.type == "cuda")
+
+    def _before_plan(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _after_plan(self) -> None:
+        if self.device.type != "cuda":
+            return
+        if self._planned is None:
+            self._planned = torch.cuda.Event()
+        self._planned.record()
+
+    def _plan_decode(self, wrapper, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        indptr, indices, last = plan_paged_indices(seq_lens, block_tables, self.block_size)
+        # indptr and last_page_len on the host (plan reads them there), the indices on the device
+        wrapper.plan(self._pinned(indptr), self._on_device(indices), self._pinned(last), self.num_heads,
+                     self.num_kv_heads, self.head_size, self.block_size, sm_scale=self.scale,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         meta = super().build_metadata(layout)
@@ -137,24 +174,52 @@ class FlashInferAttentionBackend(AttentionBackend):
         query_lens = layout.query_lens
         decode = np.flatnonzero(query_lens == 1)
         prefill = np.flatnonzero(query_lens > 1)
-        # after the index arrays: num_qo_heads, num_kv_heads, head_dim, page_size (positional in
-        # both wrappers' plan); the rest by keyword
-        shape = (self.num_heads, self.num_kv_heads, self.head_size, self.block_size)
-        kwargs = dict(sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         plan = FlashInferPlan(self._step, None, None)
+        self._before_plan()
         if len(decode):
-            pages = plan_paged_indices(layout.seq_lens[decode], layout.block_tables[decode], self.block_size)
-            self._decode.plan(*map(torch.from_numpy, pages), *shape, **kwargs)
+            self._plan_decode(self._decode, layout.seq_lens[decode], layout.block_tables[decode])
             plan.decode = self._tokens(qsl[decode].astype(np.int64))
         if len(prefill):
-            pages = plan_paged_indices(layout.seq_lens[prefill], layout.block_tables[prefill], self.block_size)
+            indptr, indices, last = plan_paged_indices(layout.seq_lens[prefill], layout.block_tables[prefill],
+                                                       self.block_size)
             qo_indptr = np.zeros(len(prefill) + 1, dtype=np.int32)
             np.cumsum(query_lens[prefill], out=qo_indptr[1:])
-            self._prefill.plan(torch.from_numpy(qo_indptr), *map(torch.from_numpy, pages), *shape,
-                               causal=True, **kwargs)
+            # after the index arrays: num_qo_heads, num_kv_heads, head_dim, page_size; the rest by keyword
+            self._prefill.plan(self._pinned(qo_indptr), self._pinned(indptr), self._on_device(indices),
+                               self._pinned(last), self.num_heads, self.num_kv_heads, self.head_size,
+                               self.block_size, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+                               kv_data_type=self.dtype)
             plan.prefill = self._tokens(token_indices(qsl, prefill))
+        self._after_plan()
         meta.extra["flashinfer"] = plan
         return meta
+
+    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """A decode graph of ``layout.num_seqs`` rows: a wrapper of its own over fixed index buffers."""
+        n = layout.num_seqs
+        if layout.num_tokens != n:
+            raise ValueError("flashinfer: CUDA graphs of decode steps only (one query token per sequence)")
+        meta = AttentionBackend.build_metadata(self, layout)
+        wrapper = self._graph_decode.get(n)
+        if wrapper is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
+                paged_kv_indices_buffer=torch.zeros(n * layout.block_tables.shape[1], **i32),
+                paged_kv_last_page_len_buffer=torch.zeros(n, **i32))
+            self._graph_decode[n] = wrapper
+        self._before_plan()
+        self._plan_decode(wrapper, layout.seq_lens, layout.block_tables)
+        self._after_plan()
+        meta.extra["flashinfer_graph"] = wrapper
+        return meta
+
+    def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
+        super().update_graph_metadata(meta, layout)
+        self._before_plan()
+        self._plan_decode(meta.extra["flashinfer_graph"], layout.seq_lens, layout.block_tables)
+        self._after_plan()
 
     def _tokens(self, tokens: np.ndarray) -> Tokens:
         contiguous = as_slice(tokens)
@@ -167,17 +232,20 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        n = meta.num_tokens
+        q = q[:n].contiguous()
+        # NOTE: every new K/V of the step is written before either wrapper reads the cache; slot -1
+        # (graph padding) writes nothing
+        write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
+        out = torch.empty_like(q)
+        graph_wrapper = meta.extra.get("flashinfer_graph")
+        if graph_wrapper is not None:  # a captured decode step: every row is a decode
+            graph_wrapper.run(q, (k_cache, v_cache), out=out)
+            return out
         plan: FlashInferPlan = meta.extra["flashinfer"]
         if plan.step != self._step:
             raise RuntimeError("flashinfer: metadata from an earlier step; the wrappers hold one step's plan")
-        n = meta.num_tokens
-        q = q[:n].contiguous()
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
-        hkv, d = self.num_kv_heads, self.head_size
-        # NOTE: every new K/V of the step is written before either wrapper reads the cache
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], k[:n])
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:n], v[:n])
-        out = torch.empty_like(q)
         for wrapper, tokens in ((self._decode, plan.decode), (self._prefill, plan.prefill)):
             if tokens is None:
                 continue

@@ -5,28 +5,32 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
-from kvforge.bench.metrics import H200_BANDWIDTH, H200_FLOPS, percentile, roofline_tok_s, summarize
+from kvforge.bench.metrics import (
+    H200_BANDWIDTH,
+    H200_FLOPS,
+    attention_flops,
+    decode_step_floor_s,
+    decode_steps,
+    kv_bytes_per_token,
+    layer_params,
+    param_count,
+    percentile,
+    prefill_work,
+    roofline,
+    step_weight_bytes,
+    summarize,
+)
 from kvforge.bench.workloads import BenchRequest, length_range, make_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N, IN, OUT = 8, 16, 8
 ENGINE = ["--model", "dummy:tiny", "--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "128"]
 WORKLOAD = ["--num-prompts", str(N), "--input-len", str(IN), "--output-len", str(OUT)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # NOTE: on a shared 2-core machine a second OpenMP thread that gets descheduled stalls every op;
-    # one thread keeps these runs fast and steady
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def bench(*argv: str) -> int:
@@ -60,9 +64,57 @@ def test_roofline_matches_documented_h200_estimate():
     from kvforge.model_config import ModelConfig
 
     mc = ModelConfig.from_preset("llama-3-8b")
-    workload = [BenchRequest([0] * 512, 256)] * 256
-    # docs/benchmarks.md: ~13,205 output tok/s for this workload
-    assert roofline_tok_s(mc, workload, 256, 2, H200_BANDWIDTH, H200_FLOPS) == pytest.approx(13205, rel=1e-3)
+    workload = [BenchRequest([i, 1] + [0] * 510, 256) for i in range(256)]
+    # docs/benchmarks.md: ~13,326 output tok/s for W1 (every decode step's matmuls compute-bound at batch 256)
+    floor = roofline(mc, workload, 256, 2, H200_BANDWIDTH, H200_FLOPS)
+    assert floor.tok_s == pytest.approx(13326, rel=1e-3) and floor.compute_bound_steps == floor.decode_steps == 255
+
+
+def tiny_shape():
+    # layers 2, hidden 8, 2 heads of 4 (q = 8), 1 KV head (kv = 4), intermediate 16, vocab 32, untied
+    return SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=4, intermediate_size=16, vocab_size=32, tie_word_embeddings=False)
+
+
+def test_model_shape_arithmetic_by_hand():
+    mc = tiny_shape()
+    assert layer_params(mc) == 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16) == 1152
+    assert param_count(mc) == 1152 + 2 * 32 * 8  # embedding and LM head both stored
+    assert step_weight_bytes(mc, 2) == (1152 + 256) * 2  # the embedding table is only gathered
+    assert kv_bytes_per_token(mc, 2) == 2 * 2 * 1 * 4 * 2
+    assert attention_flops(mc, 1) == 4 * 2 * 2 * 4
+
+
+def test_prefill_counts_a_shared_prefix_once():
+    # sorted: [1,2,3] computes 3 tokens (positions 0..2: 1+2+3 = 6 pairs); [1,2,4,5] shares 2, computes
+    # positions 2..3 (3+4 = 7 pairs); an identical prompt still computes its last token (4 keys)
+    w = [BenchRequest([1, 2, 4, 5], 2), BenchRequest([1, 2, 3], 3)]
+    assert prefill_work(w) == (5, 13)
+    assert prefill_work(w + [BenchRequest([1, 2, 3], 1)]) == (6, 16)
+
+
+def test_decode_steps_are_ideal_continuous_batching():
+    w = [BenchRequest([1, 2, 3], 3), BenchRequest([1, 2, 4, 5], 2), BenchRequest([9], 1)]
+    # 2 slots: A (3 in) decodes at contexts 4, 5; B (4 in) at 5; C makes one token at prefill
+    assert decode_steps(w, 2) == [(2, 4 + 5), (1, 5)]
+    assert decode_steps(w, 1) == [(1, 4), (1, 5), (1, 5)]
+
+
+def test_roofline_takes_the_slower_ceiling_of_each_kernel_kind():
+    mc = tiny_shape()
+    w = [BenchRequest([1, 2, 3], 3), BenchRequest([1, 2, 4, 5], 2)]
+    # bandwidth-bound: 1000 B/s, 1e5 FLOP/s. Step 1 (batch 2, contexts 9): weights 2816 B = 2.816 s
+    # against 2 * 1408 * 2 FLOPs = 0.056 s; KV 9 * 32 B = 0.288 s against 9 * 64 FLOPs = 0.006 s.
+    # Step 2 (batch 1, context 5): 2.816 + 0.160. Prefill: 2 * 1152 * 5 + 2 * 256 * 2 + 64 * 13 FLOPs.
+    floor = roofline(mc, w, 2, 2, 1000.0, 1e5)
+    assert floor.decode_s == pytest.approx(2.816 + 0.288 + 2.816 + 0.160)
+    assert floor.prefill_s == pytest.approx((11520 + 1024 + 832) / 1e5)
+    assert floor.tok_s == pytest.approx(5 / (floor.decode_s + floor.prefill_s)) and floor.compute_bound_steps == 0
+    # compute-bound matmuls and attention at 1000 FLOP/s: step 1 is 5.632 + 0.576 s
+    assert decode_step_floor_s(mc, 2, 2, 9, 1000.0, 1000.0) == pytest.approx(5.632 + 0.576)
+    # the knee is at 2816 / 1000 * 1000 / (2 * 1408) = 1 sequence: batch 2 is past it, batch 1 on it
+    assert roofline(mc, w, 2, 2, 1000.0, 1000.0).compute_bound_steps == 1
+    assert roofline(mc, w, 2, 2, 1000.0, 500.0).compute_bound_steps == 2
 
 
 # -- workloads ----------------------------------------------------------------------------------------
@@ -145,7 +197,8 @@ def test_legacy_wrapper_flags_and_roofline(tmp_path, capsys):
 def test_latency(tmp_path, capsys):
     out = tmp_path / "lat.json"
     assert bench("latency", *ENGINE, "--batch-size", "4", "--input-len", str(IN), "--output-len", str(OUT),
-                 "--num-iters-warmup", "1", "--num-iters", "3", "--bandwidth", "1e10", "--json", str(out)) == 0
+                 "--num-iters-warmup", "1", "--num-iters", "3", "--bandwidth", "1e10", "--flops", "1e12",
+                 "--json", str(out)) == 0
     row = load_json(out)["rows"][0]
     assert len(row["latencies_s"]) == 3 and row["latency_p99_s"] >= row["latency_p50_s"] > row["prefill_s"] > 0
     assert row["decode_step_s"] > 0 and row["decode_floor_s"] > 0 and row["floor_ratio"] > 0
