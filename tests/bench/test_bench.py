@@ -266,3 +266,22 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
                       "output_tok_s", "tok/s", "t") is False
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_benchmarks_md_names_every_bench_flag():
+    # engine flags are held to docs/configuration.md; every other flag of the three subcommands is here
+    import argparse
+
+    from kvforge.cli import add_engine_args, build_parser
+
+    parser = build_parser()
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    engine = {s for a in probe._actions for s in a.option_strings}
+    bench_sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    subs = next(a for a in bench_sub._actions if isinstance(a, argparse._SubParsersAction)).choices
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        text = f.read()
+    missing = sorted({s for sub in subs.values() for a in sub._actions for s in a.option_strings
+                      if s.startswith("--") and s != "--help" and s not in engine and f"`{s}" not in text})
+    assert not missing, f"docs/benchmarks.md does not name {missing}"
