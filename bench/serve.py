@@ -143,38 +143,28 @@ def kvforge_server(args: argparse.Namespace, port: int, timeout: float) -> Proce
     return ProcessServer(cmd, port, timeout, "kvforge serve (process)")
 
 
-def vllm_server(args: argparse.Namespace, config: Any, port: int, timeout: float, workdir: str) -> ProcessServer:
+def vllm_server(peer: Any, config: Any, source: Any, mc: Any, seed: int, port: int, timeout: float,
+                workdir: str) -> ProcessServer:
     """``vllm serve`` of the same model (random weights where kvforge's are), served under kvforge's
     model name, vLLM's defaults otherwise; without a tokenizer it is told to skip loading one."""
-    from kvforge.bench.vllm_peer import VllmPeer, llm_kwargs
-    from kvforge.model_loader import load_model_config, resolve_model_source
+    from kvforge.bench.vllm_peer import llm_kwargs
     from kvforge.server.cli import default_served_name
     from kvforge.tokenizer_source import tokenizer_for
 
-    peer = VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path))
-    source = resolve_model_source(config.model, config.load_format)
-    mc = load_model_config(source)
-    kwargs = llm_kwargs(source, mc, config.torch_dtype, args.seed or 0, workdir)
+    kwargs = llm_kwargs(source, mc, config.torch_dtype, seed, workdir)
     cmd = [peer.python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
            "serve", kwargs["model"], "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"],
            "--seed", str(kwargs["seed"]), "--served-model-name", default_served_name(config.model)]
     if kwargs.get("load_format"):
         cmd += ["--load-format", kwargs["load_format"]]
-    if tokenizer_for(config, source, mc) is None:
+    tokenizer = tokenizer_for(config, source, mc)
+    if tokenizer is None:
         cmd.append("--skip-tokenizer-init")
     elif source.kind == "dummy" and source.path is None:  # a preset: its config directory lacks the tokenizer
-        cmd += ["--tokenizer", tokenizer_source_dir(config, source, workdir)]
-    return ProcessServer(cmd, port, timeout, f"vLLM {peer.probe()} serve", env=peer.env())
-
-
-def tokenizer_source_dir(config: Any, source: Any, workdir: str) -> str:
-    """A directory holding the tokenizer kvforge uses for a preset (the default model's, saved by transformers)."""
-    from kvforge.model_loader import load_model_config
-    from kvforge.tokenizer_source import tokenizer_for
-
-    path = os.path.join(workdir, "tokenizer")
-    tokenizer_for(config, source, load_model_config(source)).save_pretrained(path)
-    return path
+        path = os.path.join(workdir, "tokenizer")
+        tokenizer.save_pretrained(path)
+        cmd += ["--tokenizer", path]
+    return ProcessServer(cmd, port, timeout, f"vLLM {peer.version} serve", env=peer.env())
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -291,9 +281,7 @@ def _spec_counters(url: str) -> dict | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvforge.cli import engine_kwargs
-    from kvforge.config import EngineConfig
-    from kvforge.model_loader import load_model_config, resolve_model_source
+    from kvforge.bench.throughput import model_of, vllm_peer
 
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate: must be > 0 (inf sends every request at once), got {args.request_rate}")
@@ -301,16 +289,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
     if args.vs and args.base_url:
         raise ValueError("--vs vllm: starts both servers itself, so it cannot be combined with --base-url")
-    if args.vs:  # fail before anything starts if vLLM does not import
-        from kvforge.bench.vllm_peer import VllmPeer
-        VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path)).probe()
-    kwargs = engine_kwargs(args)
-    config = EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)
-    mc = load_model_config(resolve_model_source(config.model, config.load_format))
-    tokenizer = None
-    if args.dataset == "edit":  # text prompts: the model's own tokenizer
-        from kvforge.tokenizer_source import tokenizer_for
-        tokenizer = tokenizer_for(config, resolve_model_source(config.model, config.load_format), mc)
+    peer = vllm_peer(args)  # fails before anything starts if vLLM does not import
+    config, source, mc, tokenizer = model_of(args)
     workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
     warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
                          seed=(args.seed or 0) + 1_000_003)[0]
@@ -332,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(measure(args, server.url, server.label, server, workload, warm))
         if args.vs:
             with tempfile.TemporaryDirectory(prefix="kvforge-vllm-model-") as tmp:
-                server = vllm_server(args, config, port, args.server_timeout, tmp)
+                server = vllm_server(peer, config, source, mc, args.seed or 0, port, args.server_timeout, tmp)
                 row = measure(args, server.url, server.label, server, workload, warm)
             rows.append(row)
         device = device_name(dev)

@@ -66,12 +66,13 @@ class DataParallelEngine:
         from kvforge.model_loader import load_model_config, resolve_model_source
         from kvforge.tokenizer_source import tokenizer_for
 
-        self._ray, self.size, self._config = ray, size, config
+        self._ray, self.size, self.config = ray, size, config
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init()
-        self._source = resolve_model_source(config.model, config.load_format)
-        self._tokenizer = tokenizer_for(config, self._source, load_model_config(self._source))
+        # the facts the front end reads (AsyncLLMEngine's properties): plain attributes here
+        self.model_source = resolve_model_source(config.model, config.load_format)
+        self.tokenizer = tokenizer_for(config, self.model_source, load_model_config(self.model_source))
         cuda = config.torch_device.type == "cuda"
         per_replica = config.tensor_parallel_size * config.pipeline_parallel_size
         # a replica's ranks run inside its actor, on the devices Ray gave it
@@ -85,35 +86,14 @@ class DataParallelEngine:
         except Exception as exc:
             self.shutdown()
             raise RuntimeError(f"a data-parallel replica failed to start: {exc}") from exc
-        self._max_model_len = min(i["max_model_len"] for i in infos)
-        self._vocab_size = infos[0]["vocab_size"]
+        self.max_model_len: int = min(i["max_model_len"] for i in infos)
+        self.vocab_size: int = infos[0]["vocab_size"]
         self.in_flight = [0] * size  # requests each replica is serving now
         self.routed = [0] * size  # requests sent to each replica since start
         self.error: BaseException | None = None
         self.dead = threading.Event()
         self._running = False
         self._stop = threading.Event()
-
-    # -- facts the front end needs -----------------------------------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def config(self) -> EngineConfig:
-        return self._config
-
-    @property
-    def model_source(self) -> Any:
-        return self._source
 
     @property
     def is_running(self) -> bool:

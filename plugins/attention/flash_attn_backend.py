@@ -111,6 +111,13 @@ def choose_implementation(implementation: str, *, device: torch.device | str, he
     return None, reasons or [INSTALL_HINT]
 
 
+def cu_seqlens(lens: np.ndarray) -> np.ndarray:
+    """[n + 1] int32 cumulative lengths, from 0."""
+    cu = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu[1:])
+    return cu
+
+
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     # what every implementation shares; block and head sizes depend on the one installed (validate)
@@ -157,9 +164,7 @@ class FlashAttnBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         meta = super().build_metadata(layout)
         if self.implementation == "fa2":  # FA2's paged varlen reads key lengths from cu_seqlens_k
-            cu_k = np.zeros(layout.num_seqs + 1, dtype=np.int32)
-            np.cumsum(layout.seq_lens, out=cu_k[1:])
-            t = torch.from_numpy(cu_k)
+            t = torch.from_numpy(cu_seqlens(layout.seq_lens))
             cuda = self.device.type == "cuda"
             meta.extra["cu_seqlens_k"] = (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
         return meta
@@ -173,9 +178,7 @@ class FlashAttnBackend(AttentionBackend):
     def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
         super().update_graph_metadata(meta, layout)
         if self.implementation == "fa2":
-            cu_k = np.zeros(layout.num_seqs + 1, dtype=np.int32)
-            np.cumsum(layout.seq_lens, out=cu_k[1:])
-            meta.extra["cu_seqlens_k"].copy_(torch.from_numpy(cu_k), non_blocking=True)
+            meta.extra["cu_seqlens_k"].copy_(torch.from_numpy(cu_seqlens(layout.seq_lens)), non_blocking=True)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
