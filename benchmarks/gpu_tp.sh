@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the nvidia-h200-x2 machine, after `source .gpu/install.sh`: tensor parallelism figures of
 # docs/distributed.md, one fresh process per row (benchmarks/tp_peers.py), rows appended to $OUT/tp.txt.
-#   bash benchmarks/gpu_tp.sh 8b     dummy:llama-3-8b, TP=1 then TP=2: W1 and the batch-1 decode step
-#   bash benchmarks/gpu_tp.sh 70b    dummy:llama-3-70b TP=2, kvforge then vLLM 0.26 (vllm groups brought)
+#   bash benchmarks/gpu_tp.sh 8b        dummy:llama-3-8b, TP=1, TP=2, PP=2: W1 and the batch-1 decode step
+#   bash benchmarks/gpu_tp.sh 70b       dummy:llama-3-70b TP=2, kvforge
+#   bash benchmarks/gpu_tp.sh 70b-vllm  the same with vLLM 0.26 (the vllm groups brought)
+#   bash benchmarks/gpu_tp.sh 8b-vllm   dummy:llama-3-8b TP=2 with vLLM 0.26
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
@@ -15,10 +17,14 @@ run() {  # run TIMEOUT ARGS...
   [[ $rc == 0 ]] || { echo "rc=$rc: $*" | tee -a "$out/tp.txt"; tail -25 "$out/last.log"; }
 }
 case ${1:-8b} in
-  8b)
+  8b)  # one GPU, two GPUs tensor-parallel, two GPUs as two pipeline stages
     run 200 --engine kvforge --preset llama-3-8b --tp 1 --w1 --batch1
-    run 200 --engine kvforge --preset llama-3-8b --tp 2 --w1 --batch1 ;;
+    run 200 --engine kvforge --preset llama-3-8b --tp 2 --w1 --batch1
+    run 200 --engine kvforge --preset llama-3-8b --pp 2 --w1 --batch1 ;;
   70b)
-    run 280 --engine kvforge --preset llama-3-70b --tp 2 --w1 --batch1
-    PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} run 300 --engine vllm --preset llama-3-70b --tp 2 --w1 --batch1 ;;
+    run 280 --engine kvforge --preset llama-3-70b --tp 2 --w1 --batch1 ;;
+  70b-vllm)
+    PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} run 480 --engine vllm --preset llama-3-70b --tp 2 --w1 --batch1 ;;
+  8b-vllm)
+    PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} run 300 --engine vllm --preset llama-3-8b --tp 2 --w1 --batch1 ;;
 esac

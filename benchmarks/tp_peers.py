@@ -1,7 +1,7 @@
 """Tensor parallelism side by side: kvforge or vLLM, one engine per process, on a Llama-shaped model
 with random bf16 weights, the same prompt token ids (kvforge's ``make_workload``, seed 0).
 
-    python benchmarks/tp_peers.py --engine kvforge|vllm --preset llama-3-8b --tp 2 [--w1] [--batch1]
+    python benchmarks/tp_peers.py --engine kvforge|vllm --preset llama-3-8b --tp 2 [--pp 1] [--w1] [--batch1]
 
 Rows (one JSON line each on stdout, prefixed ``ROW``):
 - ``w1``: 256 prompts x 512 in x 256 out, EOS ignored: output tokens per second.
@@ -26,8 +26,9 @@ def make_llm(args: argparse.Namespace):
     if args.engine == "kvforge":
         from kvforge import LLM, SamplingParams
 
-        llm = LLM(f"dummy:{args.preset}", tensor_parallel_size=args.tp, max_model_len=args.max_model_len,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+        llm = LLM(f"dummy:{args.preset}", tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                  max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                  **{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.engine_arg)})
         return llm, SamplingParams, mc.vocab_size, lambda ids: {"prompt_token_ids": ids}
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -37,6 +38,7 @@ def make_llm(args: argparse.Namespace):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf, f)
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tensor_parallel_size=args.tp,
+              pipeline_parallel_size=args.pp,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
     return llm, SamplingParams, mc.vocab_size, lambda ids: TokensPrompt(prompt_token_ids=ids)
 
@@ -51,8 +53,12 @@ def main() -> None:
     p.add_argument("--engine", choices=["kvforge", "vllm"], required=True)
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--w1", action="store_true")
     p.add_argument("--batch1", action="store_true")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="another kvforge EngineConfig field, e.g. async_scheduling=false")
+    p.add_argument("--profile", action="store_true", help="print a torch profile of a batch-1 run")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = p.parse_args()
@@ -61,7 +67,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llm, SamplingParams, vocab, prompt = make_llm(args)
     ready = time.perf_counter() - t0
-    base = {"engine": args.engine, "preset": args.preset, "tp": args.tp, "ready_s": round(ready, 1)}
+    base = {"engine": args.engine, "preset": args.preset, "tp": args.tp, "pp": args.pp, "ready_s": round(ready, 1),
+            **({"engine_args": args.engine_arg} if args.engine_arg else {})}
     if args.batch1:
         ids = make_workload("fixed", 1, 512, 128, vocab)[0].prompt_token_ids
 
@@ -76,6 +83,11 @@ def main() -> None:
         one, many = best(1), best(129)
         print("ROW", json.dumps(base | {"row": "batch1", "prefill_s": round(one, 4),
                                         "decode_step_ms": round((many - one) / 128 * 1e3, 3)}), flush=True)
+        if args.profile and args.engine == "kvforge":  # where a batch-1 decode step's time goes, on every rank
+            llm.start_profile()
+            llm.generate([prompt(ids)], params(SamplingParams, args.engine, 33), use_tqdm=False)
+            for table in llm.stop_profile():
+                print(table, flush=True)
     if args.w1:
         work = make_workload("fixed", 256, 512, 256, vocab)
         prompts = [prompt(r.prompt_token_ids) for r in work]

@@ -75,7 +75,8 @@ class LLMEngine:
     def _initialize(self, pm: Any, config: EngineConfig, mc: Any) -> None:
         executor = self.executor
         driver = executor.driver
-        self.device = driver.device
+        self.device = driver.device  # the driver rank's (the last pipeline stage's first GPU)
+        self.bind_thread()
         attn_name, attn_cls = driver.attn_name, driver.attn_cls
         self._logits_processors: dict[str, Any] = {}
         sampler = component(pm, "sampler", config.sampler, config, vocab_size=mc.vocab_size, device=self.device,

@@ -25,11 +25,27 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: str | None = None, **engine_args: Any):
         self.engine_config = EngineConfig.create(config, model=model, **engine_args)
         self.llm_engine = LLMEngine(self.engine_config)
+        self._profiling = False
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes or actors (with tensor or pipeline parallelism); the
         ``LLM`` cannot be used afterwards. They also stop when the process exits."""
         self.llm_engine.shutdown()
+
+    def start_profile(self) -> None:
+        """Start a ``torch.profiler`` trace on every rank (vLLM's ``LLM.start_profile``)."""
+        if self._profiling:
+            raise RuntimeError("a profile is already running: call stop_profile() first")
+        self.llm_engine.executor.collective_rpc("start_profile")
+        self._profiling = True
+
+    def stop_profile(self, trace_dir: str | None = None) -> list[str]:
+        """Stop the traces: each rank's busiest operations as text (one string per rank), and its Chrome
+        trace written to ``trace_dir/rank<r>.json`` when ``trace_dir`` is given."""
+        if not self._profiling:
+            raise RuntimeError("stop_profile() without start_profile()")
+        self._profiling = False
+        return self.llm_engine.executor.collective_rpc("stop_profile", trace_dir)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -107,6 +108,7 @@ class Worker:
         self.swap_space: CPUSwapSpace | None = None
         self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
         self.tables: dict[str, list[int]] = {}  # the persistent batch: request -> block table
+        self._profiler: Any = None  # a torch.profiler trace between start_profile and stop_profile
 
     def ready(self) -> dict[str, Any]:
         """What the engine needs to know of a rank once it is built."""
@@ -116,12 +118,34 @@ class Worker:
 
     def close(self) -> None:
         """Leave the process groups (their connections close; peers still in a collective get an error)."""
+        # NCCL's shutdown waits for its peers (a rank already stopped would hang it): abort instead
+        how = "abort" if self.device.type == "cuda" else "shutdown"
         for g in {id(g): g for g in (self.group, self.world) if g.size > 1}.values():
-            if hasattr(g.group, "shutdown"):
+            if hasattr(g.group, how):
                 try:
-                    g.group.shutdown()
+                    getattr(g.group, how)()
                 except Exception:  # already broken: nothing left to release
                     pass
+
+    def start_profile(self) -> None:
+        """Start a ``torch.profiler`` trace of this rank (host and, on CUDA, device activity)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._profiler = profile(activities=acts)
+        self._profiler.start()
+
+    def stop_profile(self, trace_dir: str | None = None, row_limit: int = 12) -> str:
+        """Stop the trace; write ``rank<r>.json`` (Chrome trace) into ``trace_dir`` if given. Returns the
+        rank's busiest operations, by device time then by host time, as text."""
+        prof, self._profiler = self._profiler, None
+        prof.stop()
+        if trace_dir is not None:
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(trace_dir, f"rank{self.rank}.json"))
+        avg = prof.key_averages()
+        keys = (["self_cuda_time_total"] if self.device.type == "cuda" else []) + ["self_cpu_time_total"]
+        return f"rank {self.rank}\n" + "\n".join(avg.table(sort_by=k, row_limit=row_limit) for k in keys)
 
     def batch_state(self) -> dict[str, int]:
         """The persistent batch: requests this rank holds block tables for, and their blocks."""

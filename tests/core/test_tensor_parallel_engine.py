@@ -100,6 +100,20 @@ def test_ranks_hold_their_own_heads_and_agree_on_blocks(tp2):
     assert tp2.llm_engine.num_blocks == 20
 
 
+def test_profile_traces_every_rank_own_collectives(tp2, tmp_path):
+    import json
+
+    with pytest.raises(RuntimeError, match="without start_profile"):
+        tp2.stop_profile()
+    tp2.start_profile()
+    tp2.generate([PREFIX + QUESTIONS[0]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    tables = tp2.stop_profile(str(tmp_path))
+    assert [t.splitlines()[0] for t in tables] == ["rank 0", "rank 1"] and all("aten::mm" in t for t in tables)
+    for rank in (0, 1):  # each rank traced its own forwards: its side of the all-reduces
+        events = json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]
+        assert sum(e.get("name") == "gloo:all_reduce" for e in events) >= 3 * 2 * 30
+
+
 def test_killed_rank_fails_the_engine_fast_naming_the_rank():
     llm = LLM(tensor_parallel_size=2, **ENGINE)
     try:
