@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_vs_vllm.sh serve       `vllm bench serve` (vLLM's own client) against `kvforge serve`,
 #                                              then against `vllm serve`: 512-token prompts, 128 out, Poisson
 #                                              at 2, 8 and 32 req/s, a Llama-3-8B shape with SmolLM2's tokenizer
+#                                              (ENGINES="kvforge vllm" and RATES="2 8 32" by default)
 #   bash benchmarks/gpu_vs_vllm.sh backends    W1 and batch 1 on kvforge alone with each attention backend
 # Offline rows come from `kvforge bench ... --vs vllm` (vLLM in its own process, /tmp/vsite in front of its
 # path). JSON goes to $OUT/results (or ./gpu-out/results); the tables to $OUT/*.txt.
@@ -47,9 +48,9 @@ case ${1:-} in
       --prefix-len 1536 --output-len 128 ;;
   serve)
     dir=/tmp/llama3-8b-shape-smollm2-vocab
-    python3 benchmarks/make_model_dir.py "$dir"
+    [ -e "$dir/config.json" ] || python3 benchmarks/make_model_dir.py "$dir"
     port=8011
-    for engine in kvforge vllm; do
+    for engine in ${ENGINES:-kvforge vllm}; do
       t0=$(date +%s.%N)
       if [[ $engine == kvforge ]]; then
         kvforge serve --model "$dir" --load-format dummy --port $port > "$out/serve-$engine.log" 2>&1 &
@@ -60,7 +61,7 @@ case ${1:-} in
       pid=$!
       ready=$(wait_health $port 400) || { echo "$engine did not start"; tail -30 "$out/serve-$engine.log"; kill $pid; continue; }
       echo "== $engine serve ready after $ready s (process start to /health 200)" | tee -a "$out/serve.txt"
-      for rate in 2 8 32; do
+      for rate in ${RATES:-2 8 32}; do
         n=$(( rate == 2 ? 100 : (rate == 8 ? 200 : 400) ))
         vllm_cli bench serve --backend openai --base-url http://127.0.0.1:$port --model "$dir" --tokenizer "$dir" \
           --dataset-name random --random-input-len 512 --random-output-len 128 --num-prompts $n \

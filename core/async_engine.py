@@ -157,11 +157,19 @@ class AsyncLLMEngine:
         self._wakeup.set()
 
     def _post(self, request_id: str, item: Any) -> None:
+        self._post_many([(request_id, item)])
+
+    def _post_many(self, items: list[tuple[str, Any]]) -> None:
+        """Hand items to their requests' queues: one wake-up of each event loop for the whole batch
+        (a step's outputs), not one per request; a request's items keep their order."""
+        batches: dict[Any, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
-            target = self._queues.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            for request_id, item in items:
+                target = self._queues.get(request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     # -- the engine thread ------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -195,8 +203,9 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
-                    self._post(out.request_id, out)
+                outputs = self.engine.step()
+                if outputs:
+                    self._post_many([(out.request_id, out) for out in outputs])
         except BaseException as exc:  # the engine is dead: fail every waiting request
             logger.exception("engine loop failed")
             self.error = exc
@@ -205,3 +214,8 @@ class AsyncLLMEngine:
             for rid in ids:
                 self._post(rid, EngineDeadError(f"the engine has stopped: {exc!r}"))
             self.dead.set()
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

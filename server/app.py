@@ -7,7 +7,6 @@ uvicorn, which drains and exits non-zero so that an orchestrator restarts it).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, Callable
@@ -20,6 +19,7 @@ from starlette.exceptions import HTTPException
 import kvforge
 from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.errors import RequestFailedError
+from kvforge.server.auth import ApiKeyAuth
 from kvforge.server.body_limits import BodyLimits
 from kvforge.server.disconnect import until_disconnect
 from kvforge.server.errors import (
@@ -40,8 +40,6 @@ logger = logging.getLogger("kvforge.server")
 DEAD_LINGER_S = 1.0
 #: default of --max-request-body-bytes
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-#: paths that cost compute, and so need the API key when one is set (/health, /version, /metrics stay open)
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str | None = None,
@@ -91,16 +89,6 @@ def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str 
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith(PROTECTED_PREFIXES):
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            # constant-time comparison, so the key cannot be found byte by byte from timings
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return error_response(401, "Incorrect API key provided.", None, code="invalid_api_key")
-        return await call_next(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -157,6 +145,8 @@ def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str 
 
     if hook is not None:
         hook.server_app_created(app=app)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     # outermost: a body is vetted before auth, routing and validation spend anything on it
     app.add_middleware(BodyLimits, max_body_bytes=max_request_body_bytes)
     return app

@@ -148,6 +148,17 @@ class OpenAIServing:
 
     async def merged(self, started: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, Any]]:
         """(prompt index, output delta) from every stream as they come; aborts all if left early."""
+        if len(started) == 1:  # one prompt (every chat request): its stream as it is, no task in between
+            rid, stream = started[0]
+            last = None
+            try:
+                async for out in stream:
+                    last = self.metrics.observe(out, last)
+                    yield 0, out
+            finally:
+                self.engine.abort(rid)  # a no-op for a finished request
+                await stream.aclose()
+            return
         q: asyncio.Queue = asyncio.Queue()
         last_times: dict[int, float | None] = {}
 
