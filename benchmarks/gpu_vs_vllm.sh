@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_vs_vllm.sh serve       `vllm bench serve` (vLLM's own client) against `kvforge serve`,
 #                                              then against `vllm serve`: 512-token prompts, 128 out, Poisson
 #                                              at 2, 8 and 32 req/s, a Llama-3-8B shape with SmolLM2's tokenizer
-#                                              (ENGINES="kvforge vllm" and RATES="2 8 32" by default)
+#                                              (ENGINES="kvforge vllm" and RATES="2 8 32" by default;
+#                                              KVFORGE_SERVE_ARGS: more flags for kvforge serve)
 #   bash benchmarks/gpu_vs_vllm.sh backends    W1 and batch 1 on kvforge alone with each attention backend
 # Offline rows come from `kvforge bench ... --vs vllm` (vLLM in its own process, /tmp/vsite in front of its
 # path). JSON goes to $OUT/results (or ./gpu-out/results); the tables to $OUT/*.txt.
@@ -53,7 +54,7 @@ case ${1:-} in
     for engine in ${ENGINES:-kvforge vllm}; do
       t0=$(date +%s.%N)
       if [[ $engine == kvforge ]]; then
-        kvforge serve --model "$dir" --load-format dummy --port $port > "$out/serve-$engine.log" 2>&1 &
+        kvforge serve --model "$dir" --load-format dummy --port $port ${KVFORGE_SERVE_ARGS:-} > "$out/serve-$engine.log" 2>&1 &
       else
         vllm_cli serve "$dir" --load-format dummy --host 127.0.0.1 --port $port --dtype bfloat16 \
           > "$out/serve-$engine.log" 2>&1 &

@@ -2,8 +2,9 @@
 
 The boundary is message-shaped: the front end sends ``("add", parent, children)`` and
 ``("abort", request_id)`` messages into an inbox; the engine thread drains it between steps and
-posts each ``RequestOutput`` delta to the request's queue. Nothing else crosses, so the engine
-core could move into its own process without touching either side.
+hands each step's ``RequestOutput`` deltas over in one call (:meth:`AsyncLLMEngine._emit`). Nothing
+else crosses, which is what lets ``kvforge.engine_core`` run the same loop in a process of its own,
+its outputs going to a connection instead of to queues (``kvforge.engine_process``).
 
 Failures (docs/reliability.md): a request that fails on its own ends with ``RequestOutput.error``
 and its stream raises :class:`~kvforge.errors.RequestFailedError`; every other stream carries on. An
@@ -21,24 +22,22 @@ from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
 from kvforge.engine import LLMEngine
-from kvforge.errors import RequestFailedError, RequestFailure, is_device_error
+from kvforge.errors import EngineDeadError, RequestFailedError, RequestFailure, is_device_error
 from kvforge.outputs import RequestOutput
+from kvforge.request_streams import RequestStreams, StreamingFront
 from kvforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can be served any more."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(StreamingFront):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        self.streams = RequestStreams()
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
@@ -104,72 +103,29 @@ class AsyncLLMEngine:
 
         Tokenization and validation run in a worker thread, never on the event loop.
         """
-        if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        self._check_alive()
         parent, children = await asyncio.to_thread(self.engine.process_inputs, request_id, prompt, params,
                                                    priority=priority, stream_deltas=True)
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._queues:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
-            if self.error is not None:  # died after the first check: nothing would ever answer
-                raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-            self._queues[request_id] = (loop, q)
+        # the engine may have died meanwhile: then nothing would ever answer
+        q = self.streams.open(request_id, self._check_alive)
         self._send(("add", parent, children))
-        return self._stream(request_id, q)
+        return self.streams.stream(request_id, q, self._abort_in_engine)
 
-    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's output deltas (see :meth:`add_request`)."""
-        async for out in await self.add_request(prompt, params, request_id, priority):
-            yield out
-
-    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished:
-                    finished = True
-                    if item.error is not None:
-                        raise RequestFailedError(item.error)
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its blocks return to the pool at the next step); unknown ids are ignored."""
-        with self._lock:
-            self._queues.pop(request_id, None)
+    def _abort_in_engine(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
     def _send(self, message: tuple) -> None:
         self._inbox.put(message)
         self._wakeup.set()
 
-    def _post(self, request_id: str, item: Any) -> None:
-        self._post_many([(request_id, item)])
+    # -- hand-overs from the engine thread (``kvforge.engine_core`` sends them to its front end) -----
+    def _emit(self, items: list[tuple[str, Any]]) -> None:
+        """A step's outputs, or a request's error, to the requests' streams (one wake-up per step)."""
+        self.streams.post_many(items)
 
-    def _post_many(self, items: list[tuple[str, Any]]) -> None:
-        """Hand items to their requests' queues: one wake-up of each event loop for the whole batch
-        (a step's outputs), not one per request; a request's items keep their order."""
-        batches: dict[Any, list[tuple[asyncio.Queue, Any]]] = {}
-        with self._lock:
-            for request_id, item in items:
-                target = self._queues.get(request_id)
-                if target is not None:
-                    batches.setdefault(target[0], []).append((target[1], item))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+    def _on_dead(self, exc: BaseException) -> None:
+        """The loop failed: every open stream raises ``EngineDeadError``."""
+        self._emit([(rid, EngineDeadError(f"the engine has stopped: {exc!r}")) for rid in self.streams.ids()])
 
     # -- the engine thread ------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -183,12 +139,13 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_processed(parent, children)
                 except ValueError as exc:
-                    self._post(parent.request_id, exc)
+                    self._emit([(parent.request_id, exc)])
                 except Exception as exc:  # a bug in one request's admission is not the engine's death
                     if is_device_error(exc):
                         raise
                     logger.exception("adding request %s failed", parent.request_id)
-                    self._post(parent.request_id, RequestFailedError(RequestFailure.from_exception(exc, "add_request")))
+                    failure = RequestFailure.from_exception(exc, "add_request")
+                    self._emit([(parent.request_id, RequestFailedError(failure))])
             elif message[0] == "abort":
                 self.engine.abort_request(message[1])
 
@@ -205,17 +162,9 @@ class AsyncLLMEngine:
                     continue
                 outputs = self.engine.step()
                 if outputs:
-                    self._post_many([(out.request_id, out) for out in outputs])
+                    self._emit([(out.request_id, out) for out in outputs])
         except BaseException as exc:  # the engine is dead: fail every waiting request
             logger.exception("engine loop failed")
             self.error = exc
-            with self._lock:
-                ids = list(self._queues)
-            for rid in ids:
-                self._post(rid, EngineDeadError(f"the engine has stopped: {exc!r}"))
-            self.dead.set()
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+            self.dead.set()  # before any stream learns of it: whoever sees the error also sees `dead`
+            self._on_dead(exc)

@@ -39,6 +39,14 @@ class RequestError(Exception):
         super().__init__(failure.message)
         self.failure = failure
 
+    def __reduce__(self):  # pickled with its failure (it crosses from the engine core process)
+        return type(self), (self.failure,)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped on an error (its loop failed, or its core process died); no request can be
+    served any more."""
+
 
 class RequestFailedError(RuntimeError):
     """What an :class:`~kvforge.async_engine.AsyncLLMEngine` stream raises when its request failed."""

@@ -32,6 +32,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body accepted, in bytes (default 16 MiB); larger bodies get 413")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (Ray actors) behind this one server, requests to the least busy (1)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server's process, not in an engine core process")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
@@ -73,8 +75,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvforge.data_parallel import DataParallelEngine
 
         engine = DataParallelEngine(config, args.data_parallel_size)
-    else:
+    elif args.engine_in_process:
         engine = AsyncLLMEngine.from_config(config)
+    else:
+        from kvforge.engine_process import EngineProcessClient
+
+        engine = EngineProcessClient(config)
     server: uvicorn.Server | None = None
 
     def stop_serving() -> None:  # the engine died: drain and exit non-zero

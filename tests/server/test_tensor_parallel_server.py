@@ -27,6 +27,17 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def _server_processes(pid: int) -> tuple[list[int], list[int]]:
+    """The server's engine core process and the ranks it spawned (its children)."""
+    cores = [c for c in _children(pid) if b"kvforge.engine_core" in _cmdline(c)]
+    return cores, [r for c in cores for r in _children(c) if b"rank_process" in _cmdline(r)]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -69,8 +80,8 @@ def test_disconnect_aborts_and_every_rank_forgets(servers):
 def test_killed_rank_stops_the_server(default_model_path):
     s = ServerProcess("--tensor-parallel-size", "2", model=default_model_path)
     try:
-        ranks = _children(s.proc.pid)
-        assert len(ranks) == 1
+        cores, ranks = _server_processes(s.proc.pid)
+        assert len(cores) == 1 and len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
         start = time.monotonic()
         seen_503 = False
@@ -83,6 +94,6 @@ def test_killed_rank_stops_the_server(default_model_path):
         assert s.proc.poll() is not None, "the server did not stop within 30 s of losing a rank"
         assert seen_503
         assert any("rank 1" in line and "killed by SIGKILL" in line for line in s.log)
-        assert not any(_alive(pid) for pid in ranks)
+        assert not any(_alive(pid) for pid in cores + ranks)
     finally:
         s.stop()

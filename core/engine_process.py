@@ -1,0 +1,246 @@
+"""``EngineProcessClient``: the engine core in a process of its own, behind ``AsyncLLMEngine``'s interface.
+
+``kvforge serve`` serves through one of these (``--engine-in-process`` keeps the engine on a thread of
+the server's process instead). The server's process keeps HTTP, the chat template, tokenization for
+``/tokenize`` and the SSE streams; the engine core process (``python -m kvforge.engine_core``) builds
+the ``LLMEngine`` (its ranks too), validates and tokenizes requests, schedules, runs the model and
+detokenizes. They share no interpreter, so streaming thousands of chunks a second no longer takes
+the engine loop's time (one GIL per process). The boundary is message-shaped, over a Unix socket:
+
+    front end -> core: ("add", id, prompt, params, priority), ("abort", id), ("rpc", call, method, args), ("stop",)
+    core -> front end: ("ready", facts), ("out", [(id, item), ...]) once per step, ("reply", call, ok, value),
+                       ("dead", message)
+
+An ``add`` is answered first with ``ACCEPTED`` or the ``ValueError`` that names the bad field, so a
+bad request is a 400 before any stream starts. If the core process dies, every open stream gets
+``EngineDeadError``, ``dead`` is set (``/health`` answers 503) and the server stops. docs/server.md.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing.connection
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from kvforge.config import EngineConfig
+from kvforge.errors import EngineDeadError
+from kvforge.outputs import RequestOutput
+from kvforge.request_streams import RequestStreams, StreamingFront
+from kvforge.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: the first answer to an "add": the request is queued
+ACCEPTED = "accepted"
+#: seconds an engine call (stats, a grammar check) may take before it fails
+RPC_TIMEOUT_S = 60.0
+#: seconds the core process gets to stop by itself before it is terminated, then killed
+STOP_GRACE_S = 10.0
+
+
+class EngineProcessClient(StreamingFront):
+    """What the server needs of an engine, with the engine in a child process."""
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 3600.0):
+        from kvforge.model_loader import load_model_config, resolve_model_source
+        from kvforge.tokenizer_source import tokenizer_for
+
+        self.config = config
+        self.error: BaseException | None = None
+        self.dead = threading.Event()
+        self.streams = RequestStreams()
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+        key = os.urandom(16)
+        self._dir = tempfile.mkdtemp(prefix="kvforge-core-")
+        address = os.path.join(self._dir, "core.sock")
+        listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=key)
+        env = dict(os.environ, KVFORGE_CORE_AUTHKEY=key.hex(),
+                   KVFORGE_LOG_LEVEL=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvforge.engine_core", address], env=env)
+        try:
+            self.conn = self._accept(listener, start_timeout_s)
+            self.conn.send(config)
+            # the front end's own facts, read while the core builds its engine
+            self.model_source = resolve_model_source(config.model, config.load_format)
+            self.tokenizer = tokenizer_for(config, self.model_source, load_model_config(self.model_source))
+            facts = self._first_message(start_timeout_s)
+        except BaseException:
+            listener.close()
+            self._stop_process()
+            raise
+        listener.close()
+        self.max_model_len: int = facts["max_model_len"]
+        self.vocab_size: int = facts["vocab_size"]
+        self.pid = self.proc.pid
+        self._reader = threading.Thread(target=self._read, name="kvforge-core-reader", daemon=True)
+        self._running = False
+
+    # -- starting ---------------------------------------------------------------------------------
+    def _accept(self, listener: Any, timeout_s: float) -> multiprocessing.connection.Connection:
+        accepted: dict[str, Any] = {}
+
+        def accept() -> None:
+            try:
+                accepted["conn"] = listener.accept()
+            except OSError as exc:
+                accepted["error"] = exc
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive():
+            thread.join(timeout=0.1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine core process exited ({self._how()}) before connecting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine core process did not connect within {timeout_s:.0f} s")
+        if "error" in accepted:
+            raise RuntimeError(f"accepting the engine core process failed: {accepted['error']!r}")
+        return accepted["conn"]
+
+    def _first_message(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for "ready" (the engine is built) or the error that stopped it, re-raised here."""
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.5):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine core process exited ({self._how()}) while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine core process was not ready within {timeout_s:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the engine core process exited ({self._how()}) while starting") from None
+        if msg[0] == "error":
+            raise msg[1]
+        return msg[1]
+
+    def _how(self) -> str:
+        try:
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    # -- facts ------------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._running and self.error is None
+
+    def check_structured_outputs(self, so: Any) -> None:
+        """Compile a constraint in the engine (cached there); ``ValueError`` if it is invalid."""
+        self._call("check_structured_outputs", so)
+
+    def get_stats(self) -> dict[str, Any]:
+        return self._call("get_stats")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        call = next(self._call_ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls[call] = future
+        try:
+            self._send(("rpc", call, method, args))
+            return future.result(timeout=RPC_TIMEOUT_S)
+        finally:
+            self._calls.pop(call, None)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._running:
+            self._running = True
+            self._reader.start()
+
+    def shutdown(self, timeout: float = STOP_GRACE_S) -> None:
+        self._closing = True
+        try:
+            self._send(("stop",))
+        except (OSError, EngineDeadError):
+            pass
+        self._stop_process(timeout)
+        try:
+            self.conn.close()
+        except (OSError, AttributeError):
+            pass
+
+    def _stop_process(self, grace: float = STOP_GRACE_S) -> None:
+        for stop in (None, self.proc.terminate, self.proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                self.proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request in the engine and return its output deltas; ``ValueError`` naming the field
+        for bad input (the engine validates it and answers before any output). Closing the iterator
+        early aborts the request."""
+        q = self.streams.open(request_id, self._check_alive)
+        try:
+            self._send(("add", request_id, prompt, params, priority))
+            first = await q.get()
+        except BaseException:  # the client went away (cancelled), or the engine is gone
+            self.abort(request_id)
+            raise
+        if isinstance(first, BaseException):
+            self.streams.close(request_id)
+            raise first
+        return self.streams.stream(request_id, q, self._abort_in_engine)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except (OSError, EngineDeadError):  # gone: nothing left to abort
+            pass
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:
+                raise EngineDeadError(f"the engine core process is gone: {exc!r}") from None
+
+    # -- the reader thread ------------------------------------------------------------------------
+    def _read(self) -> None:
+        error: BaseException | None = None
+        while error is None:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                if self._closing:
+                    return
+                error = RuntimeError(f"the engine core process died ({self._how()})")
+                break
+            kind = msg[0]
+            if kind == "out":
+                self.streams.post_many(msg[1])
+            elif kind == "reply":
+                future = self._calls.get(msg[1])
+                if future is not None and msg[2]:
+                    future.set_result(msg[3])
+                elif future is not None:
+                    future.set_exception(msg[3])
+            elif kind == "dead":
+                error = RuntimeError(msg[1])
+        logger.error("engine core process (pid %d): %s", self.proc.pid, error)
+        self.error = error
+        self.dead.set()  # before any stream learns of it: whoever sees the error also sees `dead`
+        for future in list(self._calls.values()):
+            future.set_exception(EngineDeadError(f"the engine has stopped: {error!r}"))
+        self.streams.post_many([(rid, EngineDeadError(f"the engine has stopped: {error!r}"))
+                                for rid in self.streams.ids()])
