@@ -32,6 +32,8 @@ def validate_plugin_tables(pm: PluginManager, config: EngineConfig) -> None:
                              f"valid names: {', '.join(valid)}")
         for kind in kinds:
             build_options(pm.get(kind, name), name, table)
+    if config.quantization is not None:  # refused before any rank starts, naming what is registered
+        pm.get("quantization_method", config.quantization)
 
 
 def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **kwargs: Any) -> Any:

@@ -36,6 +36,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--pipeline-parallel-size", dict(type=int, default=None, help="pipeline stages the layers are split into (1)")),
     ("--distributed-executor-backend", dict(default=None, help="uni, mp, ray or a plugin's executor "
                                             "(default: uni for one rank, ray if a Ray cluster runs, else mp)")),
+    ("--quantization", dict(default=None, help="quantization method of the linear layers: fp8 or a plugin's "
+                                               "(default: none, the model dtype)")),
     ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),
                                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
                                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')),

@@ -72,6 +72,9 @@ class EngineConfig:
         (one rank, in process), ``mp`` (processes spawned on this node), ``ray`` (Ray actors, across
         nodes). None (the default): ``uni`` for one rank, ``ray`` when a Ray cluster is running or the
         ranks outnumber this node's GPUs, else ``mp`` (docs/distributed.md).
+    quantization: a registered quantization method for the linear layers (built in: ``fp8``, weights
+        quantized on load to FP8 with per-channel scales, activations per token); None: the model
+        dtype (docs/quantization.md).
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -105,6 +108,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    quantization: str | None = None
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -140,6 +140,19 @@ def register_executors(register: Register) -> None:
 
 
 @hookspec
+def register_quantization_methods(register: Register) -> None:
+    """Register quantization methods (how linear layers store and apply their weights) by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.quantization.QuantizationMethod` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's ``quantization`` option
+    selects one (built in: ``fp8``). docs/quantization.md gives the contract.
+    """
+
+
+@hookspec
 def engine_created(engine: Any) -> None:
     """Called once when an :class:`kvforge.engine.LLMEngine` has been fully built.
 

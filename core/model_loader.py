@@ -190,9 +190,12 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, dtype: torch.dtype,
-               device: torch.device | str, seed: int = 0) -> torch.nn.Module:
+               device: torch.device | str, seed: int = 0, quant: Any = None) -> torch.nn.Module:
     """Build the registered model class for ``model_config.architecture`` on ``device`` in ``dtype`` and
-    fill it with the checkpoint's weights, or, for a dummy source, seeded random ones. Returns it in eval mode."""
+    fill it with the checkpoint's weights, or, for a dummy source, seeded random ones; its linear layers
+    use ``quant`` (a ``kvforge.quantization.QuantizationMethod``; None: the model dtype), post-processed
+    once everything is loaded. Returns it in eval mode."""
+    from kvforge import quantization
     from kvforge.plugin_manager import get_plugin_manager
 
     cls = get_plugin_manager().get("model", model_config.architecture)
@@ -200,7 +203,7 @@ def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, d
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), quantization.building(quant):
             model = cls(model_config, attn_backend)
     finally:
         torch.set_default_dtype(old_dtype)
@@ -209,6 +212,7 @@ def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, d
             _fill_random(model, seed, device)
         else:
             model.load_weights(iter_weights(src))
+        quantization.process_after_loading(model)
     return model.eval()
 
 

@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {
     "kv_cache_manager": "register_kv_cache_managers",
     "model": "register_models",
     "executor": "register_executors",
+    "quantization_method": "register_quantization_methods",
 }
 
 

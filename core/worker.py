@@ -96,8 +96,13 @@ class Worker:
         self.attn = component(pm, "attention_backend", self.attn_name, config, num_heads=shard.num_heads,
                               num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
                               block_size=config.block_size, dtype=dtype, device=self.device)
+        self.quant = None  # kvforge.quantization.QuantizationMethod
+        if config.quantization is not None:
+            self.quant = component(pm, "quantization_method", config.quantization, config,
+                                   engine_config=config, model_config=mc)
         with parallel_state.building(self.group, self.stage):
-            self.model = load_model(spec.source, mc, self.attn, dtype, self.device, seed=config.seed)
+            self.model = load_model(spec.source, mc, self.attn, dtype, self.device, seed=config.seed,
+                                    quant=self.quant)
         start, end = self.stage.layers(mc.num_hidden_layers)
         self.num_layers = end - start  # this stage's layers: its KV cache holds only theirs
         self.hidden_size, self.dtype = mc.hidden_size, dtype

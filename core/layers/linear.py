@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge import parallel_state
+from kvforge import parallel_state, quantization
 from kvforge.layers.weights import check_shape
 
 
@@ -55,6 +55,7 @@ class ColumnParallelLinear(nn.Module):
         full = sum(p.full for p in parts)
         self.weight = _param((self.output_size, input_size), (full, input_size), self.weight_loader)
         self.bias = _param((self.output_size,), (full,), self.weight_loader) if bias else None
+        quantization.attach(self)  # sets quant_method (None: the model dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None and len(self.parts) > 1:  # the whole fused tensor: each part in turn
@@ -76,7 +77,10 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, part.count).copy_(loaded.narrow(0, part.start, part.count))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -116,13 +120,17 @@ class RowParallelLinear(nn.Module):
         self.start, count = input_part or parallel_state.split(input_size, self.tp.size, self.tp.rank)
         self.weight = _param((output_size, count), (output_size, input_size), self.weight_loader)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        quantization.attach(self)  # sets quant_method (None: the model dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape("the tensor", loaded, param.full_shape)
         param.data.copy_(loaded.narrow(1, self.start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.quant_method is not None:
+            y = self.tp.all_reduce(self.quant_method.apply(self, x))
+        elif self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        else:
+            y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)

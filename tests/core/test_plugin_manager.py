@@ -58,6 +58,8 @@ def test_every_registration_hook(pm):
         register_schedulers=lambda register: register("fake_sched", "kvforge.plugins.scheduling.fcfs:FCFSScheduler"),
         register_logits_processors=lambda register: register("fake_lp", "kvforge.sampler:LogitsProcessor"),
         register_executors=lambda register: register("fake_exec", "kvforge.executor:UniExecutor"),
+        register_quantization_methods=lambda register: register(
+            "fake_quant", "kvforge.plugins.quantization.fp8:Fp8Quantization"),
     )
     pm.register(plugin, "fake")
     try:
@@ -68,6 +70,7 @@ def test_every_registration_hook(pm):
         assert pm.get("model", "FakeForCausalLM").__name__ == "LlamaForCausalLM"
         assert pm.get("attention_backend", "fake_attn").name == "torch"
         assert pm.get("scheduler", "fake_sched").name == "fcfs"
+        assert pm.get("quantization_method", "fake_quant").__name__ == "Fp8Quantization"
         assert pm.get("logits_processor", "fake_lp").__name__ == "LogitsProcessor"
         assert pm.get("executor", "fake_exec").name == "uni"
         assert pm.plugins["fake"].registers["sampler"] == ["fake_sampler"]
@@ -218,5 +221,7 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     assert report["dummy"]["version"] == "0.0.1"
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
                                             "logits_processor": ["fault"], "drafter": ["dummy_repeat"],
-                                            "executor": ["dummy_counting"]}
+                                            "executor": ["dummy_counting"],
+                                            "quantization_method": ["dummy_int8"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
+    assert report["quantization"]["registers"] == {"quantization_method": ["fp8"]}

@@ -23,5 +23,10 @@ def register_drafters(register):
 
 
 @kvforge.hookimpl
+def register_quantization_methods(register):
+    register("dummy_int8", "kvforge_dummy_plugin.components:Int8WeightOnly")
+
+
+@kvforge.hookimpl
 def register_executors(register):
     register("dummy_counting", "kvforge_dummy_plugin.components:CountingExecutor")

@@ -1,10 +1,13 @@
 """Components that do what the built-ins do and count their calls, so tests can see them used."""
 from dataclasses import dataclass
 
+import torch
+
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
 from kvforge.executor import UniExecutor
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
+from kvforge.quantization import LinearMethod, QuantizationMethod
 from kvforge.sampler import LogitsProcessor
 
 
@@ -106,3 +109,38 @@ class CountingExecutor(UniExecutor):
     def execute_model(self, step, prev_tokens=None, prompt_sink=None):
         type(self).execute_calls += 1
         return super().execute_model(step, prev_tokens, prompt_sink)
+
+
+class _Int8Linear(LinearMethod):
+    def process_weights_after_loading(self, layer):
+        w = layer.weight.data.float()
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+        layer.weight = torch.nn.Parameter((w / scale).round().clamp(-127, 127).to(torch.int8), requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        Int8WeightOnly.processed += 1
+
+    def apply(self, layer, x):
+        Int8WeightOnly.applied += 1
+        return (x.float() @ (layer.weight.float() * layer.weight_scale).t()).to(x.dtype)
+
+
+@dataclass
+class Int8Options:
+    skip: str = ""  # layers whose class name is this stay in the model dtype
+
+
+class Int8WeightOnly(QuantizationMethod):
+    """Weight-only int8 with a scale per output channel: a format a third-party package adds."""
+
+    name = "dummy_int8"
+    Options = Int8Options
+    processed = 0
+    applied = 0
+
+    def __init__(self, *, engine_config=None, model_config=None, skip: str = ""):
+        super().__init__(engine_config=engine_config, model_config=model_config)
+        self.skip = skip
+
+    def linear_method(self, layer):
+        return None if type(layer).__name__ == self.skip else _Int8Linear()
+
