@@ -79,6 +79,12 @@ class ModelConfig:
             raise ValueError(f"config.json field 'hidden_act' is {d['hidden_act']!r}; only 'silu' is supported")
         if d.get("mlp_bias"):
             raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
+        quant = d.get("quantization_config")
+        if quant is not None:  # its tensors would be cast silently into full-precision parameters: refuse
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            raise ValueError(f"config.json field 'quantization_config' names quant_method {method!r}: pre-quantized "
+                             "checkpoints are not supported yet (docs/quantization.md); load the unquantized "
+                             "checkpoint with quantization='fp8' to quantize it on load")
         # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
         rope_params = dict(d.get("rope_parameters") or {})
         rope_theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))

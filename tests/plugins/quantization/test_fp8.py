@@ -116,6 +116,19 @@ def test_fp8_greedy_agreement_with_float32_over_8_prompts_x_64_tokens():
     assert share >= MIN_GREEDY_AGREEMENT
 
 
+def test_pre_quantized_checkpoint_is_refused_naming_its_method(tmp_path):
+    import json
+
+    from kvforge.model_config import ModelConfig
+
+    hf = ModelConfig.from_preset("tiny").to_hf_dict()
+    hf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="quant_method 'compressed-tensors': pre-quantized checkpoints are not "
+                                         "supported yet"):
+        LLM(str(tmp_path), device="cpu", load_format="dummy", max_model_len=128, num_gpu_blocks_override=16)
+
+
 def test_unknown_quantization_is_refused_naming_the_supported_methods():
     with pytest.raises(ValueError, match="(?s)int3.*fp8"):
         LLM(quantization="int3", device="cpu", max_model_len=128, num_gpu_blocks_override=16)
