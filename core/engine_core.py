@@ -68,8 +68,7 @@ class EngineCore(AsyncLLMEngine):
 
     # -- the front end's messages ---------------------------------------------------------------
     def serve(self) -> int:
-        self._reply(("ready", {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
-                               "pid": os.getpid()}))
+        self._reply(("ready", {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}))
         self.start()
         while True:
             try:

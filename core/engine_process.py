@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
 from kvforge.errors import EngineDeadError
+from kvforge.executor import stop_processes
 from kvforge.outputs import RequestOutput
 from kvforge.request_streams import RequestStreams, StreamingFront
 from kvforge.sampling_params import SamplingParams
@@ -174,14 +175,7 @@ class EngineProcessClient(StreamingFront):
             pass
 
     def _stop_process(self, grace: float = STOP_GRACE_S) -> None:
-        for stop in (None, self.proc.terminate, self.proc.kill):
-            if stop is not None:
-                stop()
-            try:
-                self.proc.wait(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_processes([self.proc], grace)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- requests ---------------------------------------------------------------------------------

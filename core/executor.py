@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -117,6 +118,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Wait up to ``grace_s`` for the processes to end by themselves; terminate, then kill, whatever is
+    still running (never leaves one behind)."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        for stop in (None, proc.terminate, proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(timeout=max(0.5, deadline - time.monotonic()) if stop is None else 2.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
 
 
 def default_backend(world_size: int, device: torch.device) -> str:

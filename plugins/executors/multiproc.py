@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvforge.executor import Executor, WorkerFailure, free_port, start_driver
+from kvforge.executor import Executor, WorkerFailure, free_port, start_driver, stop_processes
 from kvforge.step_input import StepInput
 from kvforge.worker import ForwardOutput, Worker, WorkerSpec
 
@@ -67,7 +67,7 @@ class MultiprocExecutor(Executor):
             if rank != spec.driver_rank:
                 self.procs[rank] = subprocess.Popen(
                     [sys.executable, "-m", "kvforge.plugins.executors.rank_process", host, str(port), str(rank)], env=env)
-        self._finalizer = weakref.finalize(self, _stop_processes, list(self.procs.values()))
+        self._finalizer = weakref.finalize(self, stop_processes, list(self.procs.values()))
         try:
             self._connect()
             self.driver = self._start_driver()
@@ -245,23 +245,9 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(pickle.dumps(("stop",)))
             except (BrokenPipeError, ConnectionError, OSError):
                 pass
-        _stop_processes(list(self.procs.values()))
+        stop_processes(list(self.procs.values()))
         self._listener.close()
         if getattr(self, "driver", None) is not None:
             self.driver.close()
         for conn in self.conns.values():
             conn.close()
-
-
-def _stop_processes(procs: list[subprocess.Popen]) -> None:
-    """Wait for the ranks; terminate, then kill, whatever is still running (never leaves one behind)."""
-    deadline = time.monotonic() + 5.0
-    for proc in procs:
-        for stop in (None, proc.terminate, proc.kill):
-            if stop is not None:
-                stop()
-            try:
-                proc.wait(timeout=max(0.5, deadline - time.monotonic()) if stop is None else 2.0)
-                break
-            except subprocess.TimeoutExpired:
-                continue
