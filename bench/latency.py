@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         config, source, mc_v, tokenizer = model_of(args)
         batches = make_batches(args, mc_v.vocab_size, tokenizer)
         with tempfile.TemporaryDirectory(prefix="kvforge-vllm-model-") as tmp:
-            vllm = latency_seconds(peer, llm_kwargs(source, mc_v, config.torch_dtype, args.seed or 0, tmp), batches,
+            vllm = latency_seconds(peer, llm_kwargs(source, mc_v, config.torch_dtype, args.seed or 0, tmp, config), batches,
                                    [None] * (warm_n + timed_n) + [1] * timed_n)
     llm, load_s = build_llm(args)
     engine = llm.llm_engine

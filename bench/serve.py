@@ -151,12 +151,15 @@ def vllm_server(peer: Any, config: Any, source: Any, mc: Any, seed: int, port: i
     from kvforge.server.cli import default_served_name
     from kvforge.tokenizer_source import tokenizer_for
 
-    kwargs = llm_kwargs(source, mc, config.torch_dtype, seed, workdir)
+    kwargs = llm_kwargs(source, mc, config.torch_dtype, seed, workdir, config)
     cmd = [peer.python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
            "serve", kwargs["model"], "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"],
            "--seed", str(kwargs["seed"]), "--served-model-name", default_served_name(config.model)]
     if kwargs.get("load_format"):
         cmd += ["--load-format", kwargs["load_format"]]
+    for key in ("quantization", "kv_cache_dtype"):
+        if kwargs.get(key):
+            cmd += ["--" + key.replace("_", "-"), kwargs[key]]
     tokenizer = tokenizer_for(config, source, mc)
     if tokenizer is None:
         cmd.append("--skip-tokenizer-init")

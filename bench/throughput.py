@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         config, source, mc, tokenizer = model_of(args)
         workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
         with tempfile.TemporaryDirectory(prefix="kvforge-vllm-model-") as tmp:
-            vllm_row = throughput_row(peer, llm_kwargs(source, mc, config.torch_dtype, args.seed or 0, tmp),
+            vllm_row = throughput_row(peer, llm_kwargs(source, mc, config.torch_dtype, args.seed or 0, tmp, config),
                                       workload, warm_prompts(args, mc.vocab_size, len(workload)), WARM_TOKENS)
     llm, load_s = build_llm(args)
     engine = llm.llm_engine

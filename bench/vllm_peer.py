@@ -101,10 +101,23 @@ def attention_backend(log: str) -> str | None:
     return found[-1] if found else None
 
 
-def llm_kwargs(source: Any, mc: Any, dtype: Any, seed: int, workdir: str) -> dict:
-    """``vllm.LLM`` keyword arguments for kvforge's model ``source`` (a ``ModelSource``)."""
+#: kvforge quantization methods vLLM runs under the same name (on-load ``int4`` has no vLLM equivalent)
+VLLM_QUANTIZATION = ("fp8", "awq", "gptq", "compressed-tensors")
+
+
+def llm_kwargs(source: Any, mc: Any, dtype: Any, seed: int, workdir: str, config: Any = None) -> dict:
+    """``vllm.LLM`` keyword arguments for kvforge's model ``source`` (a ``ModelSource``), with the
+    engine ``config``'s quantization and KV-cache dtype (vLLM's names are kvforge's)."""
     kwargs: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "seed": seed,
                               "skip_tokenizer_init": True}
+    quant = getattr(config, "quantization", None)
+    if quant is not None:
+        if quant not in VLLM_QUANTIZATION:
+            raise ValueError(f"--vs vllm: quantization {quant!r} has no vLLM equivalent; vLLM runs "
+                             f"{', '.join(VLLM_QUANTIZATION)}")
+        kwargs["quantization"] = quant
+    if getattr(config, "kv_cache_dtype", "auto") != "auto":
+        kwargs["kv_cache_dtype"] = config.kv_cache_dtype
     if source.kind == "dummy":
         path = source.path
         if path is None:  # a preset: its config.json in a directory of its own

@@ -3,15 +3,24 @@
 One backend object serves every layer of a model. Per step the runner calls
 :meth:`AttentionBackend.build_metadata` once with a :class:`BatchLayout` (host-side arrays describing
 the flattened batch) and passes the result to every layer's :meth:`AttentionBackend.forward`.
+
+The cache holds the model dtype, or FP8 e4m3 (``kv_cache_dtype``): then every layer has a K and a V
+scale (:class:`KVScales`), a stored value ``x8`` standing for ``x8 * scale`` (docs/quantization.md).
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+
+#: KV-cache element types stored quantized, with per-layer scales
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+#: the largest finite float8_e4m3fn: K/V beyond +-448 x scale are stored as +-448 x scale (saturated)
+FP8_E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,9 @@ class AttentionCapabilities:
 
     devices: tuple[str, ...]  # e.g. ("cpu", "cuda")
     dtypes: tuple[torch.dtype, ...]
+    # cache element types it writes and reads besides the model dtype (FP8, with per-layer scales);
+    # empty: the cache holds the model dtype only
+    kv_cache_dtypes: tuple[torch.dtype, ...] = ()
     head_sizes: tuple[int, ...] | None = None  # None: any head size
     block_sizes: tuple[int, ...] | None = None  # None: any block size
     supports_cuda_graphs: bool = False
@@ -30,6 +42,17 @@ class AttentionCapabilities:
     # no host buffer that a queued copy of the previous step could still be reading
     supports_async_scheduling: bool = True
     min_compute_capability: tuple[int, int] | None = None
+
+
+@dataclass
+class KVScales:
+    """One layer's FP8 KV-cache scales: a key ``x`` is stored as ``x8 = e4m3(clamp(x / k, -448, 448))``
+    and read back as ``x8 * k``; values with ``v``. Fixed once the cache is allocated (kernels and
+    captured CUDA graphs read ``tensor``; FlashInfer takes the floats)."""
+
+    k: float
+    v: float
+    tensor: torch.Tensor  # [2] float32 (k, v) on the backend's device
 
 
 @dataclass
@@ -81,8 +104,11 @@ class AttentionBackend(ABC):
     capabilities: ClassVar[AttentionCapabilities]
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 block_size: int, dtype: torch.dtype, device: torch.device, **options: Any):
-        reasons = self.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+                 block_size: int, dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: torch.dtype | None = None, **options: Any):
+        kv_cache_dtype = kv_cache_dtype or dtype
+        reasons = self.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
+                                kv_cache_dtype=kv_cache_dtype)
         if reasons:
             raise ValueError(f"attention backend {self.name!r} cannot run this model: {'; '.join(reasons)}")
         self.num_heads = num_heads
@@ -92,6 +118,13 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kv_cache_dtype = kv_cache_dtype  # the cache's element type (the model dtype unless FP8)
+        #: K/V are stored in FP8 and divided by their layer's scale on the way in (:class:`KVScales`)
+        self.fp8_kv = kv_cache_dtype in FP8_KV_DTYPES
+        self._layer_scales: dict[int, KVScales] = {}  # model layer index -> its scales (once set or allocated)
+        # NOTE: forward gets a layer's cache, not its index (one backend serves every layer), so an FP8
+        # cache finds its layer's scales by its data pointer, recorded by allocate_kv_cache
+        self._cache_scales: dict[int, KVScales] = {}  # data_ptr of each allocated layer cache -> its layer's
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -100,8 +133,9 @@ class AttentionBackend(ABC):
 
     @classmethod
     def validate(cls, *, device: torch.device | str, dtype: torch.dtype, head_size: int,
-                 block_size: int) -> list[str]:
-        """Every reason this backend refuses the given setup; an empty list means it accepts."""
+                 block_size: int, kv_cache_dtype: torch.dtype | None = None) -> list[str]:
+        """Every reason this backend refuses the given setup; an empty list means it accepts.
+        ``kv_cache_dtype``: the cache's element type, None for the model dtype."""
         caps = cls.capabilities
         device = torch.device(device)
         reasons = list(cls.unavailable_reasons())
@@ -109,6 +143,10 @@ class AttentionBackend(ABC):
             reasons.append(f"device {device.type} not in {caps.devices}")
         if dtype not in caps.dtypes:
             reasons.append(f"dtype {dtype} not in {[str(d) for d in caps.dtypes]}")
+        if kv_cache_dtype not in (None, dtype) and kv_cache_dtype not in caps.kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype} not supported: its cache holds "
+                           + (f"the model dtype or {[str(d) for d in caps.kv_cache_dtypes]}"
+                              if caps.kv_cache_dtypes else "the model dtype only"))
         if caps.head_sizes is not None and head_size not in caps.head_sizes:
             reasons.append(f"head size {head_size} not in {caps.head_sizes}")
         if caps.block_sizes is not None and block_size not in caps.block_sizes:
@@ -124,10 +162,52 @@ class AttentionBackend(ABC):
         (K then V, NHD within a block)."""
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
-    def allocate_kv_cache(self, num_blocks: int, num_layers: int) -> list[torch.Tensor]:
-        """One cache tensor per layer, zero-filled, on the backend's device and dtype."""
-        return [torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device)
-                for _ in range(num_layers)]
+    def allocate_kv_cache(self, num_blocks: int, num_layers: int, first_layer: int = 0) -> list[torch.Tensor]:
+        """One cache tensor per layer (model layers ``first_layer ..``), zero-filled, on the backend's
+        device, in ``kv_cache_dtype``. An FP8 cache is tied to its layer's :class:`KVScales` (the
+        latest allocation's tensors are the ones :meth:`layer_kv_scales` knows)."""
+        shape = self.kv_cache_shape(num_blocks)
+        # NOTE: FP8 caches are zeroed as bytes (0x00 is +0.0), which every device supports
+        caches = [torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.kv_cache_dtype)
+                  if self.fp8_kv else torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                  for _ in range(num_layers)]
+        if self.fp8_kv:
+            self._cache_scales = {c.data_ptr(): self._scales_of_layer(first_layer + i) for i, c in enumerate(caches)}
+        return caches
+
+    # -- FP8 KV-cache scales ----------------------------------------------------------------------
+    def _scales_of_layer(self, layer: int) -> KVScales:
+        scales = self._layer_scales.get(layer)
+        if scales is None:
+            scales = self._layer_scales[layer] = KVScales(
+                1.0, 1.0, torch.ones(2, dtype=torch.float32, device=self.device))
+        return scales
+
+    def set_kv_scales(self, layer: int, *, k_scale: float | torch.Tensor | None = None,
+                      v_scale: float | torch.Tensor | None = None) -> None:
+        """Set model layer ``layer``'s FP8 K and/or V scale (default 1.0), e.g. from a checkpoint's
+        ``model.layers.N.self_attn.k_scale`` / ``v_scale`` in the model's ``load_weights``. Only
+        before the cache is allocated: kernels and captured graphs hold the values from then on."""
+        if self._cache_scales:
+            raise RuntimeError("set_kv_scales: the KV cache is already allocated; scales are set while "
+                               "the weights load")
+        scales = self._scales_of_layer(layer)
+        for i, (name, value) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
+            if value is None:
+                continue
+            value = float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"layer {layer} {name} must be a finite number > 0, got {value}")
+            setattr(scales, name[0], value)
+            scales.tensor[i] = value
+
+    def layer_kv_scales(self, kv_cache: torch.Tensor) -> KVScales:
+        """The scales of the layer whose FP8 cache (from :meth:`allocate_kv_cache`) is ``kv_cache``."""
+        scales = self._cache_scales.get(kv_cache.data_ptr())
+        if scales is None:
+            raise RuntimeError(f"attention backend {self.name!r}: an FP8 KV cache that allocate_kv_cache "
+                               "did not make (its layer's scales are unknown)")
+        return scales
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """Copy the step's layout to the device once; subclasses add their own planning."""
@@ -167,6 +247,7 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Write the new K/V into ``kv_cache`` at ``meta.slot_mapping`` and return attention output.
+        An FP8 cache (``fp8_kv``) stores and reads them with ``layer_kv_scales(kv_cache)``.
 
         q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
         Each query token attends causally to its sequence's cached prefix and the new tokens before it.
@@ -184,4 +265,11 @@ class AttentionBackend(ABC):
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for cache in kv_caches:
+            cache = as_bytes(cache)
             cache[:, dst] = cache[:, src]
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as uint8 (same bytes): PyTorch lacks some kernels for float8 (CPU ``index_copy_``,
+    ``equal``), and a block copy is a byte copy anyway. Other caches as they are."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_KV_DTYPES else cache

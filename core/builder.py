@@ -44,11 +44,15 @@ def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **k
 
 
 def select_attention_backend(pm: PluginManager, name: str, *, device: torch.device, dtype: torch.dtype,
-                             head_size: int, block_size: int) -> tuple[str, type]:
-    """The backend (name, class) for ``name``; ``auto`` picks the best one that accepts this setup."""
+                             head_size: int, block_size: int,
+                             kv_cache_dtype: torch.dtype | None = None) -> tuple[str, type]:
+    """The backend (name, class) for ``name``; ``auto`` picks the best one that accepts this setup
+    (``kv_cache_dtype``: the KV cache's element type, None for the model dtype)."""
+    setup = dict(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
+                 kv_cache_dtype=kv_cache_dtype)
     if name != "auto":
         cls = pm.get("attention_backend", name)
-        reasons = cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        reasons = cls.validate(**setup)
         if reasons:
             raise ValueError(f"attention_backend {name!r} cannot be used: {'; '.join(reasons)}")
         return name, cls
@@ -61,11 +65,12 @@ def select_attention_backend(pm: PluginManager, name: str, *, device: torch.devi
         except ImportError as exc:
             refused.append(f"{candidate}: {exc}")
             continue
-        reasons = cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        reasons = cls.validate(**setup)
         if not reasons:
             logger.info("attention backend: %s (auto)%s", candidate,
                         f"; refused: {' | '.join(refused)}" if refused else "")
             return candidate, cls
         refused.append(f"{candidate}: {'; '.join(reasons)}")
-    raise ValueError(f"no attention backend accepts device={device.type} dtype={dtype} head_size={head_size} "
+    kv = f" kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype not in (None, dtype) else ""
+    raise ValueError(f"no attention backend accepts device={device.type} dtype={dtype}{kv} head_size={head_size} "
                      f"block_size={block_size}: {' | '.join(refused) or 'none registered'}")

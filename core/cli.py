@@ -36,8 +36,12 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--pipeline-parallel-size", dict(type=int, default=None, help="pipeline stages the layers are split into (1)")),
     ("--distributed-executor-backend", dict(default=None, help="uni, mp, ray or a plugin's executor "
                                             "(default: uni for one rank, ray if a Ray cluster runs, else mp)")),
-    ("--quantization", dict(default=None, help="quantization method of the linear layers: fp8 or a plugin's "
-                                               "(default: none, the model dtype)")),
+    ("--quantization", dict(default=None, help="quantization method of the linear layers: fp8 or int4 (on "
+                                               "load), awq, gptq, compressed-tensors, or a plugin's (default: "
+                                               "the checkpoint's quantization_config, else the model dtype)")),
+    ("--kv-cache-dtype", dict(default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                              help="KV cache element type: auto (the model dtype) or fp8 (e4m3 with per-layer "
+                                   "scales: twice the blocks in the same memory)")),
     ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),
                                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
                                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')),

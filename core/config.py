@@ -26,6 +26,9 @@ import torch
 
 _DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
+#: ``kv_cache_dtype`` values -> the KV cache's element type (None: the model dtype); ``fp8_e4m3`` is
+#: vLLM's alias of ``fp8``
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -72,9 +75,13 @@ class EngineConfig:
         (one rank, in process), ``mp`` (processes spawned on this node), ``ray`` (Ray actors, across
         nodes). None (the default): ``uni`` for one rank, ``ray`` when a Ray cluster is running or the
         ranks outnumber this node's GPUs, else ``mp`` (docs/distributed.md).
-    quantization: a registered quantization method for the linear layers (built in: ``fp8``, weights
-        quantized on load to FP8 with per-channel scales, activations per token); None: the model
-        dtype (docs/quantization.md).
+    quantization: a registered quantization method for the linear layers (built in: ``fp8`` and
+        ``int4`` quantize on load; ``fp8``, ``awq``, ``gptq`` and ``compressed-tensors`` load
+        pre-quantized checkpoints); None: the method that loads the checkpoint's
+        ``quantization_config``, else the model dtype (docs/quantization.md).
+    kv_cache_dtype: ``auto`` (the model dtype) or ``fp8`` (alias ``fp8_e4m3``): K/V stored as FP8 e4m3
+        with a float32 scale per layer for K and one for V (from the checkpoint, else 1.0), half the
+        bytes of a bf16 cache, so twice the blocks in the same memory (docs/quantization.md#fp8-kv-cache).
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -109,6 +116,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -129,6 +137,8 @@ class EngineConfig:
         positive_int("num_gpu_blocks_override", allow_none=True)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
         def number(v: Any) -> bool:
@@ -170,6 +180,11 @@ class EngineConfig:
         if dtype is None:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return dtype
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model dtype for ``auto``."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod

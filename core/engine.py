@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvforge import quantization
 from kvforge.builder import component, validate_plugin_tables
 from kvforge.config import EngineConfig
 from kvforge.drafter import Drafter
@@ -51,6 +53,9 @@ class LLMEngine:
 
         self.source = resolve_model_source(config.model, config.load_format)
         mc = self.model_config = load_model_config(self.source)
+        method = quantization.resolve(quantization.registered(pm), config.quantization, mc)
+        if method != config.quantization:  # the method that loads the checkpoint's quantization_config
+            config = self.config = dataclasses.replace(config, quantization=method)
         self.tokenizer = tokenizer_for(config, self.source, mc)
         self.eos_token_ids = tuple(mc.eos_token_ids)
 

@@ -49,6 +49,9 @@ class ModelConfig:
     attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; never Qwen2)
     # tokens each position attends back to (Mistral; Qwen2 with use_sliding_window); None = global attention
     sliding_window: int | None = None
+    # config.json's quantization_config (a pre-quantized checkpoint; kvforge.quantization.resolve picks
+    # the method that loads it); None: unquantized
+    quantization_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -80,11 +83,8 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
         quant = d.get("quantization_config")
-        if quant is not None:  # its tensors would be cast silently into full-precision parameters: refuse
-            method = quant.get("quant_method") if isinstance(quant, dict) else None
-            raise ValueError(f"config.json field 'quantization_config' names quant_method {method!r}: pre-quantized "
-                             "checkpoints are not supported yet (docs/quantization.md); load the unquantized "
-                             "checkpoint with quantization='fp8' to quantize it on load")
+        if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)):
+            raise ValueError("config.json field 'quantization_config' must be an object with a 'quant_method' string")
         # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
         rope_params = dict(d.get("rope_parameters") or {})
         rope_theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
@@ -116,6 +116,7 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             sliding_window=_sliding_window(d, model_type),
+            quantization_config=dict(quant) if quant is not None else None,
         )
 
     @classmethod
@@ -207,6 +208,8 @@ class ModelConfig:
                 d["use_sliding_window"] = self.sliding_window is not None
         if self.torch_dtype is not None:
             d["torch_dtype"] = self.torch_dtype
+        if self.quantization_config is not None:
+            d["quantization_config"] = dict(self.quantization_config)
         return d
 
     def to_dict(self) -> dict[str, Any]:

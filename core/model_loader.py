@@ -203,8 +203,10 @@ def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, d
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), quantization.building(quant):
-            model = cls(model_config, attn_backend)
+        with torch.device(device):
+            with quantization.building(quant):
+                model = cls(model_config, attn_backend)
+            quantization.attach_all(model, quant)  # every layer's name is known now
     finally:
         torch.set_default_dtype(old_dtype)
     with torch.no_grad():
@@ -227,12 +229,24 @@ def _fill_random(model: torch.nn.Module, seed: int, device: torch.device) -> Non
     # on the device, so that an 8B dummy model initializes in a second on a GPU
     gen = torch.Generator(device=device)
     for name, p in model.named_parameters():
+        if not getattr(p, "random_fill", True):  # holds what it must (e.g. GPTQ's sequential g_idx)
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        whole = torch.empty(full_shape(p), dtype=_draw_dtype(p.dtype), device=device)
+        if whole.is_floating_point():
+            whole.normal_(0.0, 0.02, generator=gen)
+        else:  # packed integers (a pre-quantized checkpoint's layout): random bits
+            whole.random_(generator=gen)
+        whole = whole.to(p.dtype)
         if tuple(full_shape(p)) == tuple(p.shape):
-            p.normal_(0.0, 0.02, generator=gen)
+            p.copy_(whole)
         else:
-            whole = torch.empty(full_shape(p), dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=gen)
             load_full(p, whole)
+
+
+def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype random values are drawn in (float8 has no random kernels: draw in float32, cast)."""
+    return torch.float32 if dtype.is_floating_point and dtype.itemsize == 1 else dtype

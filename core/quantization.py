@@ -2,17 +2,21 @@
 (docs/quantization.md).
 
 A method plugs into the layers (``kvforge.layers``), never into a model file. The engine builds one
-:class:`QuantizationMethod` (``EngineConfig.quantization``, a name registered through the
-``register_quantization_methods`` hook) and builds the model inside :func:`building`; each linear
-layer then asks it for a :class:`LinearMethod` and keeps it. The contract, in the order it is used:
+:class:`QuantizationMethod` (``EngineConfig.quantization``, or the method that loads the checkpoint's
+``quantization_config``: :func:`resolve`) and builds the model inside :func:`building`. Linear layers
+built there hold their full-precision ``weight`` on the meta device (no memory) until
+:func:`attach_all`, which the loader calls once the model is built and every layer's name is known,
+gives each layer its :class:`LinearMethod`. The contract, in the order it is used:
 
-1. ``create_weights(layer)``: the layer has made its full-precision ``weight`` (and ``bias``), each
-   with a ``weight_loader`` that knows this rank's slice; a method for a pre-quantized format replaces
-   or adds parameters of its own, each with a loader.
-2. The checkpoint is loaded through those loaders (``model.load_weights``, or seeded dummy weights).
-3. ``process_weights_after_loading(layer)``: once per layer, after every tensor is in: quantize on
+1. ``QuantizationMethod.linear_method(layer, names)``: the layer's method, or None (the layer stays in
+   the model dtype); ``names`` are the checkpoint modules the layer holds (``q_proj``, ``k_proj`` and
+   ``v_proj`` for a fused QKV layer), so that a format's ignore list and per-layer schemes apply.
+2. ``LinearMethod.create_weights(layer)``: the layer's parameters, each with a ``weight_loader`` that
+   keeps this rank's slice (``layer.make_param``); the default makes the full-precision weight.
+3. The checkpoint is loaded through those loaders (``model.load_weights``, or seeded dummy weights).
+4. ``process_weights_after_loading(layer)``: once per layer, after every tensor is in: quantize on
    load, repack for a kernel, free what is no longer needed.
-4. ``apply(layer, x)``: ``x @ W^T`` for this rank's part (the layer adds the bias and the all-reduce).
+5. ``apply(layer, x)``: ``x @ W^T`` for this rank's part (the layer adds the bias and the all-reduce).
 
 Embeddings and the LM head stay in the model dtype.
 """
@@ -29,8 +33,9 @@ from torch import nn
 class LinearMethod(ABC):
     """How one linear layer holds and applies its weight."""
 
-    def create_weights(self, layer: nn.Module) -> None:  # noqa: B027  (optional: the default keeps them)
-        """Called once the layer has made its full-precision parameters; the default keeps them."""
+    def create_weights(self, layer: nn.Module) -> None:
+        """Make the layer's parameters; the default makes the full-precision ``weight``."""
+        layer.materialize_weight()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027  (optional)
         """Called once, after the whole checkpoint is loaded; the default changes nothing."""
@@ -42,19 +47,77 @@ class LinearMethod(ABC):
 
 class QuantizationMethod(ABC):
     """One engine's quantization: built once per rank as ``cls(engine_config=..., model_config=...,
-    **options)`` (``options`` from the config file's ``[plugins.<name>]`` table)."""
+    **options)`` (``options`` from the config file's ``[plugins.<name>]`` table). A method for a
+    pre-quantized format reads ``model_config.quantization_config`` (config.json's) and raises a
+    ``ValueError`` naming the field for what it cannot load."""
 
     #: the name ``EngineConfig.quantization`` selects (also set by the registry)
     name: ClassVar[str] = ""
-    #: weight dtypes of the checkpoints it quantizes on load (empty: a pre-quantized format only)
-    supported_act_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    #: ``quantization_config.quant_method`` values of the checkpoints it loads (empty: it quantizes an
+    #: unquantized checkpoint on load only)
+    checkpoint_formats: ClassVar[tuple[str, ...]] = ()
+    #: whether it quantizes an unquantized checkpoint on load
+    quantizes_on_load: ClassVar[bool] = True
 
     def __init__(self, *, engine_config: Any = None, model_config: Any = None, **options: Any):
         self.engine_config, self.model_config = engine_config, model_config
 
+    @property
+    def checkpoint_config(self) -> dict[str, Any] | None:
+        """The checkpoint's ``quantization_config`` (None: an unquantized checkpoint)."""
+        return getattr(self.model_config, "quantization_config", None)
+
     @abstractmethod
-    def linear_method(self, layer: nn.Module) -> LinearMethod | None:
-        """The method for one linear layer (None: leave it in the model dtype)."""
+    def linear_method(self, layer: nn.Module, names: list[str]) -> LinearMethod | None:
+        """The method for one linear layer holding the checkpoint modules ``names`` (None: leave it in
+        the model dtype)."""
+
+
+def registered(pm: Any) -> dict[str, type]:
+    """The registered methods that import (one that fails cannot load a checkpoint either)."""
+    classes = {}
+    for name in pm.names("quantization_method"):
+        try:
+            classes[name] = pm.get("quantization_method", name)
+        except (ImportError, ValueError):
+            continue
+    return classes
+
+
+def resolve(registry: dict[str, type], requested: str | None, model_config: Any) -> str | None:
+    """The method to build: ``requested`` (``EngineConfig.quantization``), or for a checkpoint with a
+    ``quantization_config`` the registered method that loads its ``quant_method``. ``ValueError``
+    naming the field when they disagree or nothing loads it."""
+    qc = getattr(model_config, "quantization_config", None)
+    if qc is None:
+        if requested is not None and not registry[requested].quantizes_on_load:
+            raise ValueError(f"quantization={requested!r} loads pre-quantized checkpoints only, and this "
+                             "checkpoint's config.json has no quantization_config")
+        return requested
+    fmt = qc.get("quant_method")
+    loaders = sorted(n for n, cls in registry.items() if fmt in cls.checkpoint_formats)
+    if requested is not None:
+        if requested not in loaders:
+            raise ValueError(f"quantization={requested!r} cannot load this checkpoint: its config.json "
+                             f"quantization_config has quant_method {fmt!r}"
+                             + (f", loaded by {', '.join(loaders)}" if loaders else ""))
+        return requested
+    if not loaders:
+        formats = sorted({f for cls in registry.values() for f in cls.checkpoint_formats})
+        raise ValueError(f"config.json field 'quantization_config' has quant_method {fmt!r}, which no "
+                         f"registered quantization method loads; supported: {', '.join(formats)}")
+    return loaders[0]
+
+
+def ignored(names: list[str], patterns: list[str] | None, field: str) -> bool:
+    """Whether a checkpoint keeps a layer (holding modules ``names``) unquantized: every name contains
+    one of ``patterns`` (vLLM's rule for ``modules_to_not_convert``-style lists); a fused layer half
+    ignored is a ``ValueError`` naming ``field``."""
+    hits = [any(p in n for p in patterns or ()) for n in names]
+    if any(hits) and not all(hits):
+        raise ValueError(f"quantization_config field {field!r} ignores part of a fused layer: "
+                         f"{[n for n, h in zip(names, hits) if h]} but not the rest of {names}")
+    return all(hits)
 
 
 _current: QuantizationMethod | None = None
@@ -67,7 +130,7 @@ def current() -> QuantizationMethod | None:
 
 @contextlib.contextmanager
 def building(method: QuantizationMethod | None) -> Iterator[QuantizationMethod | None]:
-    """Linear layers constructed inside use ``method``."""
+    """Linear layers constructed inside defer their weights to :func:`attach_all` with ``method``."""
     global _current
     old, _current = _current, method
     try:
@@ -76,13 +139,29 @@ def building(method: QuantizationMethod | None) -> Iterator[QuantizationMethod |
         _current = old
 
 
-def attach(layer: nn.Module) -> LinearMethod | None:
-    """Give a freshly built linear layer its method (from :func:`current`) and let it create weights."""
-    method = _current.linear_method(layer) if _current is not None else None
-    layer.quant_method = method
-    if method is not None:
-        method.create_weights(layer)
-    return method
+def checkpoint_names(model: nn.Module, module_name: str) -> list[str]:
+    """The checkpoint modules a layer of ``model`` holds: one, or for a fused layer each part listed in
+    the model class's ``packed_modules_mapping`` (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``)."""
+    parent, _, leaf = module_name.rpartition(".")
+    packed = getattr(model, "packed_modules_mapping", {}).get(leaf)
+    if not packed:
+        return [module_name]
+    return [f"{parent}.{p}" if parent else p for p in packed]
+
+
+def attach_all(model: nn.Module, method: QuantizationMethod | None) -> None:
+    """Give every linear layer of a freshly built ``model`` its method (from ``method``) and let it
+    create its weights, on the current default device; a layer without one gets its full-precision
+    weight."""
+    for name, module in model.named_modules():
+        if not getattr(module, "quantizable", False) or module.quant_method is not None:
+            continue
+        lm = method.linear_method(module, checkpoint_names(model, name)) if method is not None else None
+        module.quant_method = lm
+        if lm is None:
+            module.materialize_weight()
+        else:
+            lm.create_weights(module)
 
 
 def process_after_loading(model: nn.Module) -> None:

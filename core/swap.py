@@ -1,8 +1,10 @@
 """The CPU swap pool: where the KV blocks of requests preempted by swapping wait.
 
-One tensor per layer with the layer cache's shape (the attention backend's ``kv_cache_shape``) but
-``num_cpu_blocks`` blocks, pinned when the cache is on CUDA so the copies run asynchronously on the
-current stream. A block is index ``[:, block]`` of a layer's tensor, on the device as in the pool.
+One tensor per layer with the layer cache's shape and element type (the attention backend's
+``kv_cache_shape`` and ``kv_cache_dtype``; an FP8 block moves as its bytes, its layer's scales stay
+with the backend) but ``num_cpu_blocks`` blocks, pinned when the cache is on CUDA so the copies run
+asynchronously on the current stream. A block is index ``[:, block]`` of a layer's tensor, on the
+device as in the pool.
 The pool is allocated on the first swap, so an engine that never swaps holds no host memory for it.
 
 NOTE: the scheduler frees a swapped-out request's device blocks at once and may hand them to
@@ -17,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from kvforge.attention import AttentionBackend
+from kvforge.attention import AttentionBackend, as_bytes
 
 Pairs = Sequence[tuple[int, int]]
 
@@ -35,7 +37,8 @@ class CPUSwapSpace:
         pin = self.attn.device.type == "cuda" and torch.cuda.is_available()
         shape = self.attn.kv_cache_shape(self.num_cpu_blocks)
         # NOTE: empty, not zeros: pages of a large pool are only touched when a block is swapped
-        self.caches = [torch.empty(shape, dtype=self.attn.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        self.caches = [torch.empty(shape, dtype=self.attn.kv_cache_dtype, pin_memory=pin)
+                       for _ in range(self.num_layers)]
 
     def swap(self, device_caches: list[torch.Tensor], swap_out: Pairs = (), swap_in: Pairs = ()) -> None:
         """Copy ``(device, cpu)`` blocks out to the pool and ``(cpu, device)`` blocks back, every layer."""
@@ -47,6 +50,7 @@ class CPUSwapSpace:
             self._allocate()
         in_src = [c for c, _ in swap_in]
         for dev, cpu in zip(device_caches, self.caches):
+            dev, cpu = as_bytes(dev), as_bytes(cpu)  # FP8: copied as bytes (PyTorch lacks float8 kernels)
             staged = None
             if swap_in:  # read before the swap-outs may overwrite a CPU block this step released
                 staged = dev.new_empty((dev.shape[0], len(in_src), *dev.shape[2:]))

@@ -89,13 +89,15 @@ class Worker:
         torch.manual_seed(config.seed)
         dtype = config.torch_dtype
         pm = get_plugin_manager()
+        kv_cache_dtype = config.torch_kv_cache_dtype
         self.attn_name, self.attn_cls = select_attention_backend(
             pm, config.attention_backend, device=self.device, dtype=dtype, head_size=mc.head_dim,
-            block_size=config.block_size)
+            block_size=config.block_size, kv_cache_dtype=kv_cache_dtype)
         shard = parallel_state.head_shard(mc.num_attention_heads, mc.num_key_value_heads, self.group.size, self.group.rank)
         self.attn = component(pm, "attention_backend", self.attn_name, config, num_heads=shard.num_heads,
                               num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
-                              block_size=config.block_size, dtype=dtype, device=self.device)
+                              block_size=config.block_size, dtype=dtype, device=self.device,
+                              kv_cache_dtype=kv_cache_dtype)
         self.quant = None  # kvforge.quantization.QuantizationMethod
         if config.quantization is not None:
             self.quant = component(pm, "quantization_method", config.quantization, config,
@@ -104,6 +106,7 @@ class Worker:
             self.model = load_model(spec.source, mc, self.attn, dtype, self.device, seed=config.seed,
                                     quant=self.quant)
         start, end = self.stage.layers(mc.num_hidden_layers)
+        self.first_layer = start
         self.num_layers = end - start  # this stage's layers: its KV cache holds only theirs
         self.hidden_size, self.dtype = mc.hidden_size, dtype
         self.vocab_size = mc.vocab_size
@@ -159,7 +162,7 @@ class Worker:
     # -- KV cache sizing -------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         shape = self.attn.kv_cache_shape(1)
-        return math.prod(shape) * self.attn.dtype.itemsize * self.num_layers + self.extra_bytes_per_block
+        return math.prod(shape) * self.attn.kv_cache_dtype.itemsize * self.num_layers + self.extra_bytes_per_block
 
     def determine_num_blocks(self, *, num_blocks_override: int | None, kv_cache_memory_gib: float | None,
                              gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -196,7 +199,7 @@ class Worker:
         seq_len = min(max_num_batched_tokens, max_model_len)
         num_seqs = -(-max_num_batched_tokens // seq_len)
         blocks_per_seq = -(-seq_len // bs)
-        caches = self.attn.allocate_kv_cache(num_seqs * blocks_per_seq, self.num_layers)
+        caches = self.attn.allocate_kv_cache(num_seqs * blocks_per_seq, self.num_layers, self.first_layer)
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
         lens = [seq_len] * (num_seqs - 1) + [max_num_batched_tokens - seq_len * (num_seqs - 1)]
         layout = prefill_layout(lens, blocks_per_seq, bs)
@@ -225,7 +228,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int,
                          max_model_len: int) -> None:
         """Allocate the KV cache and the step's staging buffers (``kvforge.input_buffers``)."""
-        self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers)
+        self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers, self.first_layer)
         max_blocks = -(-max_model_len // self.block_size)
         self.staging = StagingBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
         self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)

@@ -11,7 +11,7 @@ rank's rows of one part, or with ``shard_id=None`` of the whole fused tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +32,70 @@ class Part:
     count: int
 
 
-def _param(shape: tuple[int, ...], full_shape: tuple[int, ...], loader: Any) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
-    p.full_shape = full_shape
-    p.weight_loader = loader
-    return p
+#: one dimension of a parameter's checkpoint layout: ``("out", d)`` the output channels packed ``d``
+#: to an element (``("out", 8)``: eight int4 values per int32), ``("in", d)`` the input channels per
+#: ``d`` (a packing factor or a quantization group size), or a fixed size (never split)
+Dim = Union[tuple[str, int], int]
+WEIGHT_DIMS = (("out", 1), ("in", 1))
 
 
-class ColumnParallelLinear(nn.Module):
+def _axis(param: nn.Parameter, kind: str) -> tuple[int | None, int]:
+    """The index and divisor of ``param``'s ``kind`` ("out" or "in") dimension (None: it has none)."""
+    for i, d in enumerate(param.dims):
+        if isinstance(d, tuple) and d[0] == kind:
+            return i, d[1]
+    return None, 1
+
+
+class LinearBase(nn.Module):
+    """What column- and row-parallel layers share: parameters laid out by :data:`Dim` specs, each
+    with a loader that keeps this rank's slice, and a quantization method (``kvforge.quantization``).
+    Built inside ``quantization.building(method)``, the full-precision weight waits on the meta
+    device until ``quantization.attach_all`` gives the layer its method."""
+
+    quantizable = True
+    input_size: int
+    output_size: int  # on this rank
+
+    def _sizes(self, kind: str, div: int) -> tuple[int, int]:
+        """(this rank's, the checkpoint's) extent of a ``(kind, div)`` dimension."""
+        raise NotImplementedError
+
+    def make_param(self, dims: tuple[Dim, ...], dtype: torch.dtype | None = None, device: Any = None,
+                   loader: Any = None) -> nn.Parameter:
+        """A parameter laid out by ``dims`` (each a :data:`Dim`), holding this rank's slice; its
+        ``weight_loader`` (default: the layer's) copies that slice out of a checkpoint tensor."""
+        local, full = [], []
+        for d in dims:
+            a, b = self._sizes(*d) if isinstance(d, tuple) else (d, d)
+            local.append(a)
+            full.append(b)
+        p = nn.Parameter(torch.empty(local, dtype=dtype or self.params_dtype, device=device),
+                         requires_grad=False)
+        p.dims, p.full_shape = tuple(dims), tuple(full)
+        p.weight_loader = loader or self.weight_loader
+        return p
+
+    def _init_params(self, bias: bool) -> None:
+        deferred = quantization.current() is not None  # attach_all materializes or replaces it
+        self.quant_method = None
+        self.params_dtype = torch.get_default_dtype()  # the model dtype
+        self.weight = self.make_param(WEIGHT_DIMS, device="meta" if deferred else None)
+        self.bias = self.make_param(self.BIAS_DIMS) if bias else None
+
+    def materialize_weight(self) -> None:
+        """Allocate the full-precision weight deferred to the meta device (on the default device)."""
+        if self.weight.is_meta:
+            self.weight = self.make_param(WEIGHT_DIMS)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
+
+
+class ColumnParallelLinear(LinearBase):
     """``y = x W^T + b``, each rank keeping its rows of every part of W (and b)."""
+
+    BIAS_DIMS = (("out", 1),)
 
     def __init__(self, input_size: int, output_size: int | None = None, bias: bool = False, *,
                  parts: list[Part] | None = None):
@@ -52,29 +107,55 @@ class ColumnParallelLinear(nn.Module):
         self.parts = parts
         self.input_size = input_size
         self.output_size = sum(p.count for p in parts)  # on this rank
-        full = sum(p.full for p in parts)
-        self.weight = _param((self.output_size, input_size), (full, input_size), self.weight_loader)
-        self.bias = _param((self.output_size,), (full,), self.weight_loader) if bias else None
-        quantization.attach(self)  # sets quant_method (None: the model dtype)
+        self._init_params(bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is None and len(self.parts) > 1:  # the whole fused tensor: each part in turn
-            check_shape("the fused tensor", loaded, param.full_shape)
-            offset = 0
-            for part in self.parts:
-                self._load_part(param, loaded.narrow(0, offset, part.full), part)
-                offset += part.full
-            return
+    def _sizes(self, kind: str, div: int) -> tuple[int, int]:
+        if kind == "in":
+            if self.input_size % div:
+                raise ValueError(f"input size {self.input_size} is not a multiple of {div}")
+            return self.input_size // div, self.input_size // div
+        for p in self.parts:
+            if p.full % div or p.start % div or p.count % div:
+                raise ValueError(f"output part {p.shard_id!r} ({p.full} rows, this rank's {p.start}:"
+                                 f"{p.start + p.count}) does not split into whole groups of {div}")
+        return self.output_size // div, sum(p.full for p in self.parts) // div
+
+    def part_rows(self, shard_id: Any) -> int:
+        """Rows of the checkpoint tensor ``shard_id`` (None: all the parts together)."""
+        if shard_id is None:
+            return sum(p.full for p in self.parts)
+        return self._part(shard_id).full
+
+    def _part(self, shard_id: Any) -> Part:
         matches = [p for p in self.parts if p.shard_id == shard_id or len(self.parts) == 1]
         if not matches:
             raise ValueError(f"checkpoint shard {shard_id!r} is not a part of this layer "
                              f"({[p.shard_id for p in self.parts]})")
-        self._load_part(param, loaded, matches[0])
+        return matches[0]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        axis, div = _axis(param, "out")
+        if axis is None:  # replicated over the outputs
+            check_shape("the tensor", loaded, param.full_shape)
+            param.data.copy_(loaded)
+            return
+        if shard_id is None and len(self.parts) > 1:  # the whole fused tensor: each part in turn
+            check_shape("the fused tensor", loaded, param.full_shape)
+            offset = 0
+            for part in self.parts:
+                self._load_part(param, loaded.narrow(axis, offset, part.full // div), part)
+                offset += part.full // div
+            return
+        self._load_part(param, loaded, self._part(shard_id))
 
     def _load_part(self, param: nn.Parameter, loaded: torch.Tensor, part: Part) -> None:
-        check_shape("the tensor" if part.shard_id is None else f"part {part.shard_id!r}", loaded, (part.full, *param.shape[1:]))
-        offset = sum(p.count for p in self.parts[:self.parts.index(part)])
-        param.data.narrow(0, offset, part.count).copy_(loaded.narrow(0, part.start, part.count))
+        axis, div = _axis(param, "out")
+        expected = list(param.full_shape)
+        expected[axis] = part.full // div
+        check_shape("the tensor" if part.shard_id is None else f"part {part.shard_id!r}", loaded, tuple(expected))
+        offset = sum(p.count for p in self.parts[:self.parts.index(part)]) // div
+        param.data.narrow(axis, offset, part.count // div).copy_(
+            loaded.narrow(axis, part.start // div, part.count // div))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
@@ -107,30 +188,42 @@ class QKVParallelLinear(ColumnParallelLinear):
             Part("v", kv, s.kv_start * head_dim, s.num_kv_heads * head_dim)])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's input columns split over the ranks (``x`` holds this rank's
     columns, the output of a column-parallel layer); the partial products are summed over the
     ranks, then the bias (replicated) is added once."""
+
+    BIAS_DIMS = (("out", 1),)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  input_part: tuple[int, int] | None = None):
         """``input_part``: (first column, columns) this rank keeps; default: an even split."""
         super().__init__()
         self.tp = parallel_state.current()
-        self.start, count = input_part or parallel_state.split(input_size, self.tp.size, self.tp.rank)
-        self.weight = _param((output_size, count), (output_size, input_size), self.weight_loader)
-        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        quantization.attach(self)  # sets quant_method (None: the model dtype)
+        self.start, self.count = input_part or parallel_state.split(input_size, self.tp.size, self.tp.rank)
+        self.input_size, self.output_size = input_size, output_size
+        self._init_params(bias)
+
+    def _sizes(self, kind: str, div: int) -> tuple[int, int]:
+        if kind == "out":
+            if self.output_size % div:
+                raise ValueError(f"output size {self.output_size} is not a multiple of {div}")
+            return self.output_size // div, self.output_size // div
+        if self.input_size % div or self.start % div or self.count % div:
+            raise ValueError(f"this rank's input columns {self.start}:{self.start + self.count} of "
+                             f"{self.input_size} do not split into whole groups of {div}")
+        return self.count // div, self.input_size // div
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape("the tensor", loaded, param.full_shape)
-        param.data.copy_(loaded.narrow(1, self.start, param.shape[1]))
+        axis, div = _axis(param, "in")
+        if axis is None:  # replicated over the inputs (a bias, a per-channel scale)
+            param.data.copy_(loaded)
+        else:
+            param.data.copy_(loaded.narrow(axis, self.start // div, param.shape[axis]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            y = self.tp.all_reduce(self.quant_method.apply(self, x))
-        elif self.tp.size == 1:
+        if self.quant_method is None and self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        else:
-            y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._matmul(x))
         return y if self.bias is None else y.add_(self.bias)

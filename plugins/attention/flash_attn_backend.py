@@ -23,6 +23,15 @@ longest context a replay may see (the block table's width), bounds that hold for
 K/V are written by kvforge's Triton ``reshape_and_cache``, which skips the padding rows' slot -1.
 Verified on FA4 (the H200 has no FA2/FA3 build).
 
+No FP8 KV cache (``kv_cache_dtypes`` is empty, so ``auto`` passes over this backend for
+``kv_cache_dtype="fp8"`` and naming it is refused): none of the three reads e4m3 K/V under a bf16/fp16
+query. FA4 (flash-attn-4 4.0.0b36, ``flash_attn/cute/interface.py`` ``_flash_attn_fwd``) asserts that
+q, k and v share one dtype ("q, k, v, and qv must have the same dtype") and runs FP8 on SM100 only
+("FP8 is only supported on SM100 (compute capability 10.x) for FA4 CuTe", so not on the H100/H200);
+FA3's ``q_descale/k_descale/v_descale`` come with an FP8 query as well; FA2 has no FP8 path.
+Quantizing the query to FP8 to use them is another numerical contract (vLLM's FA3 path does it), not
+a read of this cache.
+
 All three align ``causal=True`` bottom-right when a sequence has more keys than queries (FA2 onward:
 query ``i`` of ``q_len`` over ``k_len`` keys sees keys ``<= k_len - q_len + i``), which is exactly a
 chunk after a cached prefix, and a decode token seeing its whole context.
@@ -144,9 +153,12 @@ class FlashAttnBackend(AttentionBackend):
         return [] if any(load_function(n) is not None for n in IMPLEMENTATIONS) else [INSTALL_HINT]
 
     @classmethod
-    def validate(cls, *, device, dtype, head_size, block_size) -> list[str]:
+    def validate(cls, *, device, dtype, head_size, block_size, kv_cache_dtype=None) -> list[str]:
         """The base checks, then: some installed implementation accepts the block and head size."""
-        reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+        reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
+                                   kv_cache_dtype=kv_cache_dtype)
+        reasons = [r + " (FlashAttention reads FP8 K/V only with an FP8 query: FA3, or FA4 on SM100)"
+                   if r.startswith("kv_cache_dtype") else r for r in reasons]
         if INSTALL_HINT in reasons:
             return reasons
         return reasons + choose_implementation("auto", device=device, head_size=head_size,

@@ -14,6 +14,14 @@ index arrays (``1 <= last_page_len <= page_size``); ``causal=True`` aligns the m
 what a chunk after a cached prefix needs; ``run(q, (k_cache, v_cache), out=)``. The first plan of a
 dtype/head size JIT-compiles (minutes, then cached under ~/.cache/flashinfer).
 
+FP8 cache (``kv_cache_dtype`` fp8, flashinfer 0.7.2's decode.py/prefill.py): ``plan(...,
+q_data_type=bf16, kv_data_type=torch.float8_e4m3fn)`` builds the mixed-precision kernels (a bf16
+query over e4m3 pages: the CUDA-core decode, and the FA2 prefill, which ``determine_attention_backend``
+picks because its FA3 path wants an FP8 query); ``run(q, (k, v), k_scale=, v_scale=, out=)`` takes the
+layer's scales as floats: ``k_scale`` multiplies ``sm_scale`` and ``v_scale`` the output (``out *=
+v_scale``, skipped when exactly 1.0). The floats are the layer's :class:`~kvforge.attention.KVScales`,
+fixed before the cache is allocated, so a captured decode graph holds the right values.
+
 CUDA graphs (decode steps only: ``cuda_graph_query_lens=(1,)``): one decode wrapper per captured batch
 size, built with ``use_cuda_graph=True`` over index buffers of its own; ``plan()`` is re-run before
 each replay (it rewrites those buffers and the wrapper's device plan in place; in graph mode the
@@ -95,6 +103,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     capabilities = AttentionCapabilities(
         devices=("cuda",),
         dtypes=(torch.float16, torch.bfloat16),
+        kv_cache_dtypes=(torch.float8_e4m3fn,),
         head_sizes=(64, 128, 256),
         block_sizes=(16, 32, 64, 128),
         supports_cuda_graphs=True,
@@ -165,7 +174,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # indptr and last_page_len on the host (plan reads them there), the indices on the device
         wrapper.plan(self._pinned(indptr), self._on_device(indices), self._pinned(last), self.num_heads,
                      self.num_kv_heads, self.head_size, self.block_size, sm_scale=self.scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype)
+                     q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype)
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         meta = super().build_metadata(layout)
@@ -188,7 +197,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill.plan(self._pinned(qo_indptr), self._pinned(indptr), self._on_device(indices),
                                self._pinned(last), self.num_heads, self.num_kv_heads, self.head_size,
                                self.block_size, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
-                               kv_data_type=self.dtype)
+                               kv_data_type=self.kv_cache_dtype)
             plan.prefill = self._tokens(token_indices(qsl, prefill))
         self._after_plan()
         meta.extra["flashinfer"] = plan
@@ -236,12 +245,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         q = q[:n].contiguous()
         # NOTE: every new K/V of the step is written before either wrapper reads the cache; slot -1
         # (graph padding) writes nothing
-        write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
+        scales = self.layer_kv_scales(kv_cache) if self.fp8_kv else None
+        write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], None if scales is None else scales.tensor)
+        scale_kw = {} if scales is None else dict(k_scale=scales.k, v_scale=scales.v)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
         out = torch.empty_like(q)
         graph_wrapper = meta.extra.get("flashinfer_graph")
         if graph_wrapper is not None:  # a captured decode step: every row is a decode
-            graph_wrapper.run(q, (k_cache, v_cache), out=out)
+            graph_wrapper.run(q, (k_cache, v_cache), out=out, **scale_kw)
             return out
         plan: FlashInferPlan = meta.extra["flashinfer"]
         if plan.step != self._step:
@@ -250,7 +261,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             if tokens is None:
                 continue
             if isinstance(tokens, slice):
-                wrapper.run(q[tokens], (k_cache, v_cache), out=out[tokens])
+                wrapper.run(q[tokens], (k_cache, v_cache), out=out[tokens], **scale_kw)
             else:  # interleaved in the batch: gather the queries, scatter the outputs
-                out[tokens] = wrapper.run(q.index_select(0, tokens), (k_cache, v_cache))
+                out[tokens] = wrapper.run(q.index_select(0, tokens), (k_cache, v_cache), **scale_kw)
         return out

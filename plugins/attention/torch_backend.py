@@ -3,6 +3,9 @@
 Decode tokens (sequences with one query token) are batched into one SDPA call over keys gathered
 through their block tables; every prefill chunk is one SDPA call over its cached prefix plus its new
 tokens. Correctness first: the GPU backends are measured against this one.
+
+An FP8 cache (``kv_cache_dtype``) is written as ``kv_write.quantize_kv`` stores it and read back as
+``k8.float() * k_scale`` (``v8.float() * v_scale``): the gathered pages only, never the whole cache.
 """
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout, as_bytes
+from kvforge.plugins.attention.kv_write import write_kv_torch
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -18,6 +22,7 @@ class TorchAttentionBackend(AttentionBackend):
     capabilities = AttentionCapabilities(
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        kv_cache_dtypes=(torch.float8_e4m3fn,),
         supports_cuda_graphs=False,
     )
 
@@ -50,10 +55,11 @@ class TorchAttentionBackend(AttentionBackend):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         num_tokens = meta.num_tokens
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
         hkv, d = self.num_kv_heads, self.head_size
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:num_tokens], k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping[:num_tokens], v)
+        scales = self.layer_kv_scales(kv_cache).tensor if self.fp8_kv else None
+        write_kv_torch(k, v, kv_cache, meta.slot_mapping[:num_tokens], scales)
+        # an FP8 cache is gathered as bytes and dequantized after the gather (pages() below)
+        k_cache, v_cache = as_bytes(kv_cache)  # each [num_blocks, block_size, kv_heads, head_size]
         out = torch.empty_like(q)
         gqa = self.num_heads != hkv
         # NOTE: the reference computes attention in float32 whatever the cache dtype (SDPA's math path
@@ -61,13 +67,20 @@ class TorchAttentionBackend(AttentionBackend):
         acc = torch.float32
         q = q.to(acc)
 
+        def pages(cache: torch.Tensor, index: torch.Tensor, i: int) -> torch.Tensor:
+            """cache[index] in float32, dequantized with scale i (0: K, 1: V) when FP8."""
+            x = cache[index]
+            if scales is None:
+                return x.to(acc)
+            return x.view(self.kv_cache_dtype).to(acc) * scales[i]
+
         decode = meta.extra.get("decode")
         if decode is not None:
             tok_idx, tables, lens, max_len = decode
             n = tables.shape[0]
             # keys: [n, kv_heads, max_len, head_size]
-            keys = k_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2).to(acc)
-            vals = v_cache[tables].reshape(n, max_len, hkv, d).transpose(1, 2).to(acc)
+            keys = pages(k_cache, tables, 0).reshape(n, max_len, hkv, d).transpose(1, 2)
+            vals = pages(v_cache, tables, 1).reshape(n, max_len, hkv, d).transpose(1, 2)
             mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
             qd = (q if tok_idx is None else q[tok_idx]).unsqueeze(2)  # [n, heads, 1, head_size]
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
@@ -77,8 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
 
         for start, end, ctx_len, blocks in meta.extra["prefill"]:
             q_len = end - start
-            keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1).to(acc)  # [kv_heads, ctx, d]
-            vals = v_cache[blocks].reshape(-1, hkv, d)[:ctx_len].transpose(0, 1).to(acc)
+            keys = pages(k_cache, blocks, 0).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
+            vals = pages(v_cache, blocks, 1).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)
             qp = q[start:end].transpose(0, 1)  # [heads, q_len, d]
             if ctx_len == q_len:
                 o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, scale=self.scale, enable_gqa=gqa)

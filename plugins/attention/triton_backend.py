@@ -4,6 +4,7 @@ Per step, ``build_metadata`` splits the batch into decode sequences (one query t
 with ``num_splits`` KV partitions per sequence and KV head, then a reduce) and prefill chunks (query
 tiles of ``block_q`` tokens x the query heads of one KV head), all with vectorised numpy and one
 host-to-device copy. ``forward`` launches at most four kernels and never loops over sequences.
+An FP8 cache (``kv_cache_dtype``) is read by the same kernels (triton_kernels.py says how the scales apply).
 Design notes: docs/attention_triton.md; kernels: triton_kernels.py.
 
 CPU testing: the capabilities list only ``cuda``, but while ``TRITON_INTERPRET=1`` is set (before
@@ -50,6 +51,7 @@ class TritonAttentionBackend(AttentionBackend):
     capabilities = AttentionCapabilities(
         devices=("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        kv_cache_dtypes=(torch.float8_e4m3fn,),  # e4m3 tiles widened in registers, scales folded in
         head_sizes=(32, 64, 128, 256),
         block_sizes=(16, 32, 64, 128),
         # decode launches read only device tensors; their grids depend on the batch size and
@@ -81,8 +83,9 @@ class TritonAttentionBackend(AttentionBackend):
         return [] if err is None else [f"triton is not installed: pip install triton ({err})"]
 
     @classmethod
-    def validate(cls, *, device, dtype, head_size, block_size) -> list[str]:
-        reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size)
+    def validate(cls, *, device, dtype, head_size, block_size, kv_cache_dtype=None) -> list[str]:
+        reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
+                                   kv_cache_dtype=kv_cache_dtype)
         if (cls._allow_cpu_for_interpreter and torch.device(device).type == "cpu"
                 and os.environ.get("TRITON_INTERPRET") == "1"):
             reasons = [r for r in reasons if not r.startswith("device cpu")]
@@ -132,11 +135,12 @@ class TritonAttentionBackend(AttentionBackend):
         n = meta.num_tokens
         # the kernels take any token/head strides but need a contiguous head dimension
         q, k, v = (t[:n] if t.stride(-1) == 1 else t[:n].contiguous() for t in (q, k, v))
+        scales = self.layer_kv_scales(kv_cache).tensor if self.fp8_kv else None  # [2] fp32 on the device
         # NOTE: every new K/V is written before any attention kernel reads the cache (stream order)
-        kern.reshape_and_cache(k, v, kv_cache, meta.slot_mapping[:n])
+        kern.reshape_and_cache(k, v, kv_cache, meta.slot_mapping[:n], scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         kern.prefill_attention(q, kv_cache, out, x["prefill_tile_seq"], x["prefill_tile_q0"], meta.query_start_loc,
-                               meta.seq_lens, meta.block_tables, self.scale, self.tiles)
+                               meta.seq_lens, meta.block_tables, self.scale, self.tiles, scales)
         kern.decode_attention(q, kv_cache, out, x["decode_seqs"], meta.query_start_loc, meta.seq_lens,
-                              meta.block_tables, self.scale, x["num_splits"], self.tiles)
+                              meta.block_tables, self.scale, x["num_splits"], self.tiles, scales)
         return out

@@ -4,7 +4,14 @@ Paged cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` 
 ``s`` is block ``s // block_size``, offset ``s % block_size``. Every kernel takes the query heads of
 one KV head together (GQA), so each K/V tile is loaded once for the whole group. Scores are kept in
 the log2 domain (``qk_scale = scale * log2(e)``, ``exp2``); accumulation is fp32.
-Design notes (grids, tiles, the split-K heuristic): docs/attention_triton.md.
+Design notes (grids, tiles, the split-K heuristic, FP8): docs/attention_triton.md.
+
+FP8 cache (``KV_FP8``): ``reshape_and_cache`` stores ``clamp(x / scale, -448, 448)`` in e4m3 (computed in
+fp32, as ``kv_write.quantize_kv``); the attention kernels load the e4m3 tiles, widen them to the query's
+dtype for the dots, and apply the layer's scales exactly once per program: ``k_scale`` folded into
+``qk_scale`` (``q . (k8 * k_scale) = (q . k8) * k_scale``) and ``v_scale`` on the normalised output
+(``sum p (v8 * v_scale) = v_scale * sum p v8``). The scales are read from a [2] fp32 device tensor
+(k, v), never baked into a launch, so a captured CUDA graph reads them too.
 """
 from __future__ import annotations
 
@@ -13,16 +20,17 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (kvforge.attention.FP8_E4M3_MAX)
 MIN_KEYS_PER_SPLIT = 256  # a decode split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 64
 
 
 @triton.jit
-def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
+def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, kv_scale_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_cb, stride_cs, stride_ch,
                               NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-                              HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                              HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:  # NOTE: a negative slot marks a padding token: nothing is written
@@ -33,6 +41,9 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
             + offs_h[:, None] * stride_ch + offs_d[None, :]
         k = tl.load(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        if KV_FP8:  # saturate, then round to e4m3 (the clamp keeps out-of-range values off NaN)
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(kv_scale_ptr), -FP8_MAX), FP8_MAX)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(kv_scale_ptr + 1), -FP8_MAX), FP8_MAX)
         tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
         tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
 
@@ -44,7 +55,8 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, n0, se
                  CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over keys ``n0 .. n0 + TILE_N`` of a sequence.
 
-    q: [M, HEAD] (cache dtype); m_i, l_i: [M] fp32 (log2 domain); acc: [M, HEAD] fp32;
+    q: [M, HEAD] (model dtype; an FP8 cache's tiles are widened to it, their scales applied by the
+    caller); m_i, l_i: [M] fp32 (log2 domain); acc: [M, HEAD] fp32;
     qpos: [M] absolute query positions (used when CAUSAL). MASKED=False promises every key of the
     tile is below seq_len and visible to every row.
     """
@@ -66,6 +78,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, n0, se
     else:
         k = tl.load(k_cache + ptrs)
         v = tl.load(v_cache + ptrs)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # no-ops unless the cache is FP8
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N] fp32
     if MASKED:
         visible = n_mask[None, :]
@@ -87,11 +100,14 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kv_head_off, n0, se
 # decodes). Triton would otherwise compile a variant (~2 s) for each class it meets, mid-serving.
 @triton.jit(do_not_specialize=["stride_bt", "tile_seq_ptr", "tile_q0_ptr"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr, qsl_ptr, seq_lens_ptr,
-                    bt_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    bt_ptr, qk_scale, kv_scale_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_cs, stride_ch,
                     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    KV_FP8: tl.constexpr):
     """Grid (num_q_tiles, num_kv_heads): BLOCK_Q query tokens x GROUP query heads of one sequence."""
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -128,6 +144,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr,
                                      seq_len, qpos, qk_scale, stride_cb, stride_cs, offs_d,
                                      BLOCK_SIZE, TILE_N, True, True, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * tl.load(kv_scale_ptr + 1)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
@@ -135,15 +153,17 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr,
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "dec_seq_ptr"])
 def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr,
-                   seq_lens_ptr, bt_ptr, qk_scale, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_bt, stride_cb, stride_cs, stride_ch,
+                   seq_lens_ptr, bt_ptr, qk_scale, kv_scale_ptr, num_heads, num_splits, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   TILE_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   TILE_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Grid (num_decodes, num_kv_heads, num_splits): one query token, GROUP heads, one KV partition.
 
     Without SPLIT (num_splits == 1) the result goes straight to out; with it the partial
-    (max, sum, acc) of the partition goes to part_* for _reduce_kernel.
+    (max, sum, acc) of the partition goes to part_* for _reduce_kernel (acc already times v_scale).
     """
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,6 +190,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_m, part_l, part_acc, d
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row, kvh * stride_ch, t * TILE_N,
                                      seq_len, 0, qk_scale, stride_cb, stride_cs, offs_d,
                                      BLOCK_SIZE, TILE_N, True, False, DOT_PRECISION)
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     if not SPLIT:
         out = acc / l_i[:, None]  # seq_len >= 1: every real row saw a key
         tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -206,8 +228,18 @@ def _reduce_kernel(out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr, num_
 # ---- launchers -------------------------------------------------------------------------------
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 caches get exact products (tf32 would cost ~1e-3); 16-bit inputs ignore the setting
+    # fp32 queries get exact products (tf32 would cost ~1e-3); 16-bit inputs ignore the setting
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fp8_args(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """(scale pointer, KV_FP8) for a launch: an FP8 cache needs its layer's [2] fp32 scales; otherwise
+    the kernel never reads the pointer (the cache stands in for it)."""
+    if kv_cache.element_size() == 1:
+        if kv_scales is None:
+            raise ValueError("an FP8 KV cache needs its layer's kv_scales")
+        return kv_scales, True
+    return kv_cache, False
 
 
 def tile_sizes(head_size: int, num_queries_per_kv: int, dtype: torch.dtype) -> dict[str, int]:
@@ -237,40 +269,45 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
     return max(1, min(triton.cdiv(4 * num_sms, programs), by_ctx, MAX_SPLITS))
 
 
-def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_scales: torch.Tensor | None = None) -> None:
     """k, v: [num_tokens, kv_heads, head_size]; kv_cache: [2, blocks, block_size, kv_heads, head_size];
-    slot_mapping: [num_tokens] int64 (negative: skip)."""
+    slot_mapping: [num_tokens] int64 (negative: skip); kv_scales: [2] fp32 (k, v) for an FP8 cache."""
     num_tokens, hkv, d = k.shape
     if num_tokens == 0:
         return
     kc, vc = kv_cache[0], kv_cache[1]
+    scale_ptr, fp8 = _fp8_args(kv_cache, kv_scales)
     _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, kc, vc, slot_mapping, scale_ptr, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD=d, BLOCK_SIZE=kc.shape[1])
+        NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD=d, BLOCK_SIZE=kc.shape[1], KV_FP8=fp8)
 
 
 def prefill_attention(q, kv_cache, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables,
-                      scale: float, tiles: dict[str, int]) -> None:
+                      scale: float, tiles: dict[str, int], kv_scales: torch.Tensor | None = None) -> None:
     """q, out: [num_tokens, heads, head_size]; tile_seq, tile_q0: [num_q_tiles] int32 (sequence,
-    first query token of each tile, from the backend's build_metadata)."""
+    first query token of each tile, from the backend's build_metadata); kv_scales: [2] fp32 (k, v) for
+    an FP8 cache."""
     num_tiles = tile_seq.shape[0]
     if num_tiles == 0:
         return
     kc, vc = kv_cache[0], kv_cache[1]
     hkv = kc.shape[2]
+    scale_ptr, fp8 = _fp8_args(kv_cache, kv_scales)
     _prefill_kernel[(num_tiles, hkv)](
-        q, kc, vc, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables, scale * LOG2E,
+        q, kc, vc, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables, scale * LOG2E, scale_ptr,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
         GROUP=q.shape[1] // hkv, BLOCK_Q=tiles["block_q"], BLOCK_M=tiles["block_m"], HEAD=q.shape[2],
-        BLOCK_SIZE=kc.shape[1], TILE_N=tiles["prefill_tile_n"], DOT_PRECISION=_dot_precision(kc.dtype),
-        num_warps=tiles["prefill_warps"], num_stages=tiles["num_stages"])
+        BLOCK_SIZE=kc.shape[1], TILE_N=tiles["prefill_tile_n"], DOT_PRECISION=_dot_precision(q.dtype),
+        KV_FP8=fp8, num_warps=tiles["prefill_warps"], num_stages=tiles["num_stages"])
 
 
 def decode_attention(q, kv_cache, out, dec_seq, query_start_loc, seq_lens, block_tables, scale: float,
-                     num_splits: int, tiles: dict[str, int]) -> None:
-    """Flash-decoding over the sequences ``dec_seq`` ([num_decodes] int32, one query token each)."""
+                     num_splits: int, tiles: dict[str, int], kv_scales: torch.Tensor | None = None) -> None:
+    """Flash-decoding over the sequences ``dec_seq`` ([num_decodes] int32, one query token each);
+    kv_scales: [2] fp32 (k, v) for an FP8 cache."""
     n = dec_seq.shape[0]
     if n == 0:
         return
@@ -283,13 +320,14 @@ def decode_attention(q, kv_cache, out, dec_seq, query_start_loc, seq_lens, block
         part_acc = torch.empty(n, heads, num_splits, d, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused by the kernel without SPLIT
+    scale_ptr, fp8 = _fp8_args(kv_cache, kv_scales)
     _decode_kernel[(n, hkv, num_splits)](
         q, kc, vc, out, part_m, part_l, part_acc, dec_seq, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, heads, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, scale_ptr, heads, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
         GROUP=heads // hkv, BLOCK_G=tiles["block_g"], HEAD=d, BLOCK_SIZE=kc.shape[1],
-        TILE_N=tiles["decode_tile_n"], SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(kc.dtype),
-        num_warps=tiles["decode_warps"], num_stages=tiles["num_stages"])
+        TILE_N=tiles["decode_tile_n"], SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
+        KV_FP8=fp8, num_warps=tiles["decode_warps"], num_stages=tiles["num_stages"])
     if num_splits > 1:
         _reduce_kernel[(n, heads)](
             out, part_m, part_l, part_acc, dec_seq, query_start_loc, heads, num_splits, out.stride(0),

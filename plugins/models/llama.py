@@ -38,6 +38,10 @@ STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+#: FP8 KV-cache scales: the name after "model.layers.N." -> set_kv_scales keyword (compressed-tensors;
+#: older checkpoints use the K/V projections' output_scale)
+KV_SCALE_NAMES = {"self_attn.k_scale": "k_scale", "self_attn.v_scale": "v_scale",
+                  "self_attn.k_proj.output_scale": "k_scale", "self_attn.v_proj.output_scale": "v_scale"}
 #: checkpoint tensors that hold nothing we need (recomputed buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -216,6 +220,10 @@ class MissingLayer(nn.Identity):
 class LlamaForCausalLM(nn.Module):
     """The model plugin for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
+    #: fused module -> the checkpoint modules it holds (quantization formats name those)
+    packed_modules_mapping = {fused: [m for m, (f, _) in STACKED_PARAMS.items() if f == fused]
+                              for fused, _ in STACKED_PARAMS.values()}
+
     def __init__(self, config: ModelConfig, attn: AttentionBackend):
         super().__init__()
         self.config = config
@@ -246,6 +254,10 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith(IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             if not self._on_this_stage(name):
+                continue
+            if name.startswith("model.layers.") and name.split(".", 3)[3] in KV_SCALE_NAMES:
+                layer = int(name.split(".")[2])  # the FP8 KV cache's scales live on the attention backend
+                self.model.layers[layer].self_attn.attn.set_kv_scales(layer, **{KV_SCALE_NAMES[name.split(".", 3)[3]]: w})
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, module_name = module_path.rpartition(".")

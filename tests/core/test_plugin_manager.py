@@ -224,4 +224,5 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
                                             "executor": ["dummy_counting"],
                                             "quantization_method": ["dummy_int8"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
-    assert report["quantization"]["registers"] == {"quantization_method": ["fp8"]}
+    assert report["quantization"]["registers"] == {
+        "quantization_method": ["fp8", "int4", "awq", "gptq", "compressed-tensors"]}

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from kvforge.attention import as_bytes
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.swap import copy_blocks_each
 from kvforge.worker import Worker
@@ -29,9 +30,9 @@ class SwapRig:
         self.kv_caches = attn.allocate_kv_cache(num_blocks, num_layers)
 
 
-def runner(device, backend=TorchAttentionBackend, num_blocks=8, dtype=torch.float16):
+def runner(device, backend=TorchAttentionBackend, num_blocks=8, dtype=torch.float16, kv_cache_dtype=None):
     attn = backend(num_heads=4, num_kv_heads=2, head_size=8, scale=1.0, block_size=4, dtype=dtype,
-                   device=torch.device(device))
+                   device=torch.device(device), kv_cache_dtype=kv_cache_dtype)
     r = SwapRig(attn, 3, num_blocks)
     # 6 CPU blocks: bytes_per_block = 2 * 4 * 2 * 8 * itemsize * 3 layers
     assert r.initialize_swap_space(6 * r.bytes_per_block() / 2**30) == 6
@@ -40,10 +41,16 @@ def runner(device, backend=TorchAttentionBackend, num_blocks=8, dtype=torch.floa
     return r
 
 
+def same_bytes(a, b):
+    """Bit-equal (an FP8 cache compares as bytes: PyTorch has no float8 ``equal`` on the CPU)."""
+    return torch.equal(as_bytes(a), as_bytes(b))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, HeadMajorBackend])
-def test_swap_round_trip_is_bit_exact(device, backend):
-    r = runner(device, backend)
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+def test_swap_round_trip_is_bit_exact(device, backend, kv_cache_dtype):
+    r = runner(device, backend, kv_cache_dtype=kv_cache_dtype)
     src = [5, 1, 6]
     before = [c[:, src].clone() for c in r.kv_caches]
     r.swap_blocks([(5, 0), (1, 4), (6, 2)], [])
@@ -54,15 +61,17 @@ def test_swap_round_trip_is_bit_exact(device, backend):
         torch.cuda.synchronize()
     pool = r.swap_space.caches[0]
     assert pool.shape == r.attn.kv_cache_shape(6) and pool.is_pinned() == (device == "cuda")
+    assert pool.dtype == r.kv_caches[0].dtype == r.attn.kv_cache_dtype
     for c, b in zip(r.kv_caches, before):
-        assert torch.equal(c[:, [3, 0, 7]], b)
+        assert same_bytes(c[:, [3, 0, 7]], b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_step_swapping_out_and_in_reads_every_source_first(device):
+@pytest.mark.parametrize("kv_cache_dtype", [None, torch.float8_e4m3fn], ids=["fp16", "fp8"])
+def test_one_step_swapping_out_and_in_reads_every_source_first(device, kv_cache_dtype):
     """A swap-out into the CPU block a swap-in of the same step reads, and a swap-in into the device
     block a swap-out of the same step reads: both copies see the data from before the step."""
-    r = runner(device)
+    r = runner(device, kv_cache_dtype=kv_cache_dtype)
     r.swap_blocks([(2, 1)], [])  # block 2 waits in CPU block 1
     old_cpu = [c[:, 2].clone() for c in r.kv_caches]
     old_dev = [c[:, 4].clone() for c in r.kv_caches]
@@ -72,7 +81,7 @@ def test_one_step_swapping_out_and_in_reads_every_source_first(device):
     if device == "cuda":
         torch.cuda.synchronize()
     for c, a, b in zip(r.kv_caches, old_cpu, old_dev):
-        assert torch.equal(c[:, 4], a) and torch.equal(c[:, 6], b)
+        assert same_bytes(c[:, 4], a) and same_bytes(c[:, 6], b)
 
 
 def test_per_block_copies_match_the_gather_form():

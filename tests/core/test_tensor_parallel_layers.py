@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kvforge import parallel_state
+from kvforge import parallel_state, quantization
 from kvforge.attention import BatchLayout
 from kvforge.model_config import ModelConfig
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.parallel_state import HeadShard, head_shard, split
+from kvforge.plugin_manager import get_plugin_manager
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 
 PROMPTS = [[1, 504, 3213, 314, 253, 1167, 30], [1, 9, 88, 1000, 4, 47, 12, 19, 2000, 31]]
@@ -57,8 +58,11 @@ def _logits(model_arg: str | None, overrides: dict, rank: int, size: int, group=
     shard = head_shard(mc.num_attention_heads, mc.num_key_value_heads, size, rank)
     attn = TorchAttentionBackend(num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim,
                                  scale=mc.head_dim ** -0.5, block_size=BLOCK, dtype=torch.float32, device="cpu")
+    pm = get_plugin_manager()
+    quant = quantization.resolve(quantization.registered(pm), None, mc)  # a pre-quantized checkpoint's
+    method = pm.get("quantization_method", quant)(model_config=mc) if quant else None
     with parallel_state.building(parallel_state.TPGroup(rank, size, group)):
-        model = load_model(src, mc, attn, torch.float32, "cpu", seed=0)
+        model = load_model(src, mc, attn, torch.float32, "cpu", seed=0, quant=method)
     layout = _layout([len(p) for p in PROMPTS])
     caches = attn.allocate_kv_cache(int(layout.block_tables.size), mc.num_hidden_layers)
     ids = torch.tensor([t for p in PROMPTS for t in p]) % mc.vocab_size
@@ -119,3 +123,16 @@ def test_two_ranks_compute_the_unsplit_models_logits(model_arg, overrides):
         assert logits.shape == whole.shape
         np.testing.assert_allclose(logits, whole, rtol=1e-4, atol=1e-4)
         assert (logits.argmax(-1) == whole.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_two_ranks_split_a_pre_quantized_checkpoint_as_the_unsplit_model(fmt, tmp_path):
+    """INT4 tensors packed along the inputs (GPTQ's qweight) or the outputs (AWQ's), with per-group
+    scales and zero points, split over two ranks: 9 query heads give rank 0 inputs 0:384 of o_proj,
+    six groups of 64 (the checkpoint's group size), so every rank's slice holds whole groups."""
+    from quantized_checkpoints import write_checkpoint
+
+    path = write_checkpoint(str(tmp_path / fmt), fmt, group=64)
+    whole = _logits(path, {}, 0, 1).numpy()
+    for logits in _split_logits(path, {}, 2):
+        np.testing.assert_allclose(logits, whole, rtol=1e-4, atol=1e-4)

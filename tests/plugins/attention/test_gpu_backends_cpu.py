@@ -164,12 +164,18 @@ class FakePrefillWrapper:
         self.kv_lens = [(len(p) - 1) * page_size + n for p, n in zip(self.pages, last)]
         self.heads = (num_qo_heads, num_kv_heads, head_dim_qk)
         self.causal, self.scale, self.dtype = causal, sm_scale, q_data_type
+        self.kv_dtype = kv_data_type or q_data_type
 
-    def run(self, q, paged_kv_cache, *, out=None):
+    def run(self, q, paged_kv_cache, *, out=None, k_scale=None, v_scale=None):
         k_cache, v_cache = paged_kv_cache
         assert q.dtype == self.dtype and q.shape[1:] == (self.heads[0], self.heads[2])
         assert q.shape[0] == int(self.qo_indptr[-1]) and q.is_contiguous()
-        o = reference(q, k_cache, v_cache, self.qo_indptr, self.kv_lens, self.pages, self.scale, self.causal)
+        assert k_cache.dtype == v_cache.dtype == self.kv_dtype  # flashinfer checks the planned kv_data_type
+        # flashinfer 0.7's run(): sm_scale *= k_scale, then out *= v_scale (the raw FP8 values are read)
+        scale = self.scale * (1.0 if k_scale is None else k_scale)
+        o = reference(q, k_cache, v_cache, self.qo_indptr, self.kv_lens, self.pages, scale, self.causal)
+        if v_scale is not None:
+            o = o * v_scale
         if out is None:
             return o
         out.copy_(o)
@@ -317,3 +323,43 @@ def test_flash_attn_implementation_option(monkeypatch, on_cpu):
     with pytest.raises(ValueError, match="implementation must be one of"):
         FlashAttnBackend.Options(implementation="fa9")
     assert FlashAttnBackend(**kw, implementation="fa4").implementation == "fa4"
+
+
+# -- FP8 KV cache (kv_cache_dtype="fp8") ----------------------------------------------------------------
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("specs", [INTERLEAVED, DECODES_FIRST], ids=["interleaved", "decodes-first"])
+def test_flashinfer_reads_an_fp8_cache_with_its_layers_scales(fake_flashinfer, specs):
+    """FP8 pages planned as kv_data_type=float8_e4m3fn and run with the layer's k_scale / v_scale (as
+    FlashInfer applies them): the torch backend's FP8 result, and the same bytes written."""
+    rng = np.random.default_rng(1)
+    torch.manual_seed(1)
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4, dtype=torch.float32,
+              device=torch.device("cpu"), kv_cache_dtype=FP8)
+    ref, fi = TorchAttentionBackend(**kw), FlashInferAttentionBackend(**kw)
+    caches = []
+    for backend in (ref, fi):
+        backend.set_kv_scales(3, k_scale=0.05, v_scale=0.02)
+        caches.append(backend.allocate_kv_cache(NUM_BLOCKS, 2, first_layer=2)[1])  # model layer 3
+    init = (torch.randn(caches[0].shape) * 50).to(FP8).view(torch.uint8)
+    for c in caches:
+        c.view(torch.uint8).copy_(init)
+    layout = make_layout(specs, 4, rng)
+    t = layout.num_tokens
+    q, k, v = torch.randn(t, 8, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+    want = ref.forward(q, k, v, caches[0], ref.build_metadata(layout))
+    got = fi.forward(q, k, v, caches[1], fi.build_metadata(layout))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    assert fi._prefill.kv_dtype == fi._decode.kv_dtype == FP8
+
+
+def test_flash_attn_refuses_an_fp8_cache(pm, monkeypatch, no_cuda):
+    monkeypatch.setattr(fa_mod, "load_function", lambda name: (lambda *a, **k: None) if name == "fa4" else None)
+    ok = dict(device=CUDA, dtype=torch.bfloat16, head_size=128, block_size=16)
+    assert FlashAttnBackend.validate(**ok) == FlashAttnBackend.validate(**ok, kv_cache_dtype=torch.bfloat16) == []
+    with pytest.raises(ValueError, match=r"attention_backend 'flash_attn' cannot be used: kv_cache_dtype "
+                                         r"torch.float8_e4m3fn not supported: its cache holds the model dtype only "
+                                         r"\(FlashAttention reads FP8 K/V only with an FP8 query"):
+        select_attention_backend(pm, "flash_attn", **ok, kv_cache_dtype=FP8)

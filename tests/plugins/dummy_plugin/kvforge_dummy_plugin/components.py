@@ -141,6 +141,6 @@ class Int8WeightOnly(QuantizationMethod):
         super().__init__(engine_config=engine_config, model_config=model_config)
         self.skip = skip
 
-    def linear_method(self, layer):
+    def linear_method(self, layer, names):
         return None if type(layer).__name__ == self.skip else _Int8Linear()
 

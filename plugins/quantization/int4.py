@@ -1,0 +1,164 @@
+"""INT4 weight-only linear layers (W4A16): one kernel layout that every INT4 format is converted to
+once loaded, and ``int4``, weights quantized on load by round-to-nearest (docs/quantization.md).
+
+The kernel layout (``kvforge.plugins.quantization.int4_triton``), for a layer ``y = x W^T`` with
+``K`` inputs and ``N`` outputs, group size ``G``:
+
+- ``qweight`` int32 ``[K / 8, N]``: bits ``4j..4j+3`` of ``qweight[r, n]`` hold ``q[8r + j, n]``, an
+  unsigned 4-bit value (GPTQ's order, so one int32 load feeds eight consecutive inputs of a column);
+- ``scales`` and ``zeros`` ``[K / G, N]`` in the activation dtype;
+- ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``.
+
+Formats differ only in how the checkpoint packs ``q`` and the zero points (AWQ packs eight outputs
+per int32 in the order 0, 2, 4, 6, 1, 3, 5, 7; GPTQ packs eight inputs, and stores zero points minus
+one; compressed-tensors stores signed values offset by 8). Each format's method unpacks its
+tensors to ``(q, scales, zeros)`` and :meth:`Int4LinearMethod.finish` packs the kernel layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvforge.quantization import LinearMethod, QuantizationMethod
+
+#: AWQ's GEMM layout: nibble ``i`` of an int32 holds output column ``8c + AWQ_ORDER[i]``
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+SEQUENTIAL = tuple(range(8))
+#: group sizes the kernel tiles (besides one group over all inputs, channel-wise)
+GROUP_SIZES = (32, 64, 128)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q [R, C]`` (values 0..15) -> int32 ``[R / 8, C]``, nibble ``j`` of row ``r`` = ``q[8r + j]``."""
+    q = q.to(torch.int32).reshape(q.shape[0] // 8, 8, q.shape[1])
+    out = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int32, device=q.device)
+    for j in range(8):
+        out |= q[:, j] << (4 * j)
+    return out
+
+
+def unpack_rows(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_rows`: int32 ``[R / 8, C]`` -> int32 ``[R, C]`` of 0..15."""
+    shifts = _SHIFTS.to(p.device).view(1, 8, 1)
+    return ((p.unsqueeze(1) >> shifts) & 0xF).reshape(p.shape[0] * 8, p.shape[1])
+
+
+def pack_cols(q: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL) -> torch.Tensor:
+    """``q [R, C]`` -> int32 ``[R, C / 8]``, nibble ``i`` of word ``c`` = ``q[:, 8c + order[i]]``."""
+    q = q.to(torch.int32).reshape(q.shape[0], q.shape[1] // 8, 8)
+    out = torch.zeros(q.shape[0], q.shape[1], dtype=torch.int32, device=q.device)
+    for i, col in enumerate(order):
+        out |= q[:, :, col] << (4 * i)
+    return out
+
+
+def unpack_cols(p: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL) -> torch.Tensor:
+    """The inverse of :func:`pack_cols`: int32 ``[R, C / 8]`` -> int32 ``[R, C]`` of 0..15."""
+    nibbles = (p.unsqueeze(-1) >> _SHIFTS.to(p.device)) & 0xF  # [R, C/8, i]
+    out = torch.empty_like(nibbles)
+    out[:, :, list(order)] = nibbles
+    return out.reshape(p.shape[0], p.shape[1] * 8)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The kernel layout -> ``W^T [K, N]`` in the scales' dtype (the reference the kernel is held to)."""
+    q = unpack_rows(qweight).to(scales.dtype)
+    s = scales.repeat_interleave(group_size, dim=0)
+    z = zeros.repeat_interleave(group_size, dim=0)
+    return (q - z) * s
+
+
+def quantize_rtn(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric INT4 of ``w [N, K]`` per group of ``group_size`` inputs ->
+    ``(q [K, N] int32 0..15, scales [K/G, N], zeros [K/G, N])``, float32, as AWQ's and GPTQ's zero-point
+    formats store them (an exact zero stays exact: the zero point is an integer)."""
+    n, k = w.shape
+    g = w.float().t().reshape(k // group_size, group_size, n)
+    lo = g.amin(dim=1).clamp(max=0)
+    hi = g.amax(dim=1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-10)
+    zeros = (-lo / scales).round().clamp(0, 15)
+    q = (g / scales.unsqueeze(1)).round().add(zeros.unsqueeze(1)).clamp(0, 15)
+    return q.reshape(k, n).to(torch.int32), scales, zeros
+
+
+class Int4LinearMethod(LinearMethod):
+    """The kernel layout and its GEMM: the Triton W4A16 kernel on CUDA, dequantize-then-matmul elsewhere."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size  # -1: one group over all of this rank's inputs
+
+    def finish(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Install the kernel layout from ``q [K, N]`` (0..15), ``scales``/``zeros [K/G, N]``; drops every
+        other parameter of the layer except the bias."""
+        dtype = layer.params_dtype
+        for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
+            delattr(layer, name)
+        layer.qweight = nn.Parameter(pack_rows(q), requires_grad=False)
+        layer.scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
+        layer.zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
+        layer.group_size = q.shape[0] if self.group_size == -1 else self.group_size
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x.is_cuda:
+            from kvforge.plugins.quantization.int4_triton import w4a16_gemm
+
+            y = w4a16_gemm(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size)
+        else:  # the reference: dequantized once (float32, kept: the CPU path is for correctness, not memory)
+            if getattr(layer, "reference_weight", None) is None:
+                layer.reference_weight = dequantize(layer.qweight, layer.scales.float(), layer.zeros.float(),
+                                                    layer.group_size)
+            y = (x2.float() @ layer.reference_weight).to(x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def check_group_size(field: str, group_size: int) -> None:
+    if group_size != -1 and group_size not in GROUP_SIZES:
+        raise ValueError(f"{field} is {group_size}; supported: {', '.join(map(str, GROUP_SIZES))} or -1 "
+                         "(one group per output channel)")
+
+
+class RtnInt4Linear(Int4LinearMethod):
+    """A full-precision weight, quantized once loaded."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        group = w.shape[1] if self.group_size == -1 else self.group_size
+        if w.shape[1] % group:
+            raise ValueError(f"int4: a layer's {w.shape[1]} inputs (on this rank) do not split into groups of "
+                             f"{group}; set the option group_size ([plugins.int4] in a config file) to one that "
+                             "divides them, or -1")
+        self.finish(layer, *quantize_rtn(w, group))
+
+
+def group_dim(group_size: int) -> tuple[str, int] | int:
+    """The input dimension of a per-group tensor: one row per ``group_size`` inputs, or with one
+    group over all inputs (-1) a single row that every tensor-parallel rank keeps whole."""
+    return 1 if group_size == -1 else ("in", group_size)
+
+
+@dataclass
+class Int4Options:
+    group_size: int = 128  # inputs per scale: 32, 64, 128, or -1 (one per output channel)
+
+
+class Int4Quantization(QuantizationMethod):
+    """``int4``: weight-only INT4 quantized on load (round-to-nearest, asymmetric, ``group_size``
+    inputs per scale; default 128). Faster than calibrated formats to produce, and less accurate: load
+    an AWQ or GPTQ checkpoint for quality (docs/quantization.md)."""
+
+    name = "int4"
+    Options = Int4Options
+
+    def __init__(self, *, engine_config=None, model_config=None, group_size: int = 128):
+        super().__init__(engine_config=engine_config, model_config=model_config)
+        check_group_size("int4 option 'group_size'", group_size)
+        self.group_size = group_size
+
+    def linear_method(self, layer: nn.Module, names: list[str]) -> LinearMethod:
+        return RtnInt4Linear(self.group_size)

@@ -1,0 +1,124 @@
+"""What the Triton GEMMs of ``int4_triton`` and ``fp8_triton`` share: when they run, their block-size
+configs and the M buckets that pick one, the split-K choice, and the kernel that sums split-K partials.
+
+No autotuning at run time: ``triton.autotune`` times candidate kernels on first use, which breaks
+CUDA-graph capture and costs seconds per new shape. Each GEMM instead has a small table from M bucket
+to :class:`GemmConfig`, set from ``benchmarks/quant_kernels.py --sweep`` on the GPU.
+
+Split-K: at decode sizes (M <= 64) one tile of M covers the whole batch, so the grid has only
+N / BLOCK_N programs (32 for N = 4096, BLOCK_N = 128) on a GPU of 132 SMs: most SMs would idle while
+the weights stream. Splitting K gives each (M, N) tile several programs, each writing an fp32 partial
+product to ``[split, M, N]``; one small kernel sums them and casts to the output dtype. Summing in a
+kernel rather than with fp32 atomics keeps results deterministic (a CUDA graph replays bit-identically
+to eager) and needs no zero-fill. Everything here is asynchronous (no host synchronisation), so it
+can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+#: a split shorter than this (8 iterations at BLOCK_K = 64, 4 at 128) hardly fills a 4-stage
+#: pipeline; at M = 1 the measured best split never went below it (benchmarks/quant_kernels.py --sweep)
+MIN_K_PER_SPLIT = 512
+#: the most splits tried: the best measured for down (K = 14336, int4) at M = 1
+MAX_SPLIT_K = 16
+#: SMs assumed under TRITON_INTERPRET=1 (an H100/H200 has 132), so the CPU takes the GPU's decisions
+INTERPRETER_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Block sizes of one GEMM launch: a tile of ``block_m x block_n`` outputs, K stepped by
+    ``block_k``; ``split_k`` 0 lets :func:`choose_split_k` decide from the shape and the GPU."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16 (tl.dot's minimum), got {value}")
+        if self.split_k < 0:
+            raise ValueError(f"GemmConfig.split_k must be >= 0 (0: chosen from the shape), got {self.split_k}")
+
+
+def pick_config(table: dict[int, GemmConfig], m: int) -> GemmConfig:
+    """The config of the smallest bucket holding ``m`` (keys are the buckets' largest M, ascending)."""
+    for max_m, config in table.items():
+        if m <= max_m:
+            return config
+    return table[max(table)]
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for this tensor: on CUDA, or on the CPU under TRITON_INTERPRET=1
+    (elsewhere the callers use their torch references)."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return _triton() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (read once per device: no synchronisation)."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_split_k(tiles: int, k: int, sms: int, programs_per_sm: int) -> int:
+    """How many ways to split K for a grid of ``tiles`` output tiles: doubling until there are
+    ``programs_per_sm`` programs per SM (each GEMM's own, measured), while each split keeps at least
+    MIN_K_PER_SPLIT of K.
+
+    NOTE: the fp32 partials ([split, M, N], written then summed) cost less than their size suggests
+    (they mostly stay in L2): capping the split so that they move fewer bytes than the weights made
+    M = 64 and 128 slower on three of the four Llama-3-8B layers (H100), so M counts only through
+    the tile count."""
+    split = 1
+    while (tiles * split < programs_per_sm * sms and k // (2 * split) >= MIN_K_PER_SPLIT
+           and split < MAX_SPLIT_K):
+        split *= 2
+    return split
+
+
+def k_per_split(k: int, split: int, block_k: int) -> tuple[int, int]:
+    """(K per split, rounded up to whole blocks; the number of non-empty splits that gives)."""
+    per = -(-k // split)
+    per = -(-per // block_k) * block_k
+    return per, -(-k // per)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton():
+    """(triton, this package's kernel module), or None where triton cannot be imported."""
+    try:
+        import triton
+
+        from kvforge.plugins.quantization import triton_kernels
+    except Exception:  # noqa: BLE001 - a missing or broken triton means the torch references
+        return None
+    return triton, triton_kernels
+
+
+def kernels():
+    """(triton, ``triton_kernels``); only after :func:`uses_triton` said yes."""
+    return _triton()
+
+
+def sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[M, N] = partials[split, M, N].sum(0)`` in ``out``'s dtype (both contiguous)."""
+    triton, kern = _triton()
+    block = 1024
+    kern.sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partials, out, out.numel(), partials.shape[0],
+                                                               BLOCK=block, num_warps=4)
+    return out
