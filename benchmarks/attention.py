@@ -98,12 +98,18 @@ def timeit(fn, device, iters, repeats):
     return statistics.median(samples)
 
 
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+
+
 def build_backends(args, device, dtype):
     from kvforge.plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()
+    kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     kw = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
               scale=args.head_size ** -0.5, block_size=args.block_size, dtype=dtype, device=device)
+    if kv_dtype is not None:
+        kw["kv_cache_dtype"] = kv_dtype
     backends, skipped = {}, {}
     for name in args.backends:
         if name not in pm.names("attention_backend"):
@@ -111,7 +117,8 @@ def build_backends(args, device, dtype):
             continue
         try:
             cls = pm.get("attention_backend", name)
-            reasons = cls.validate(device=device, dtype=dtype, head_size=args.head_size, block_size=args.block_size)
+            reasons = cls.validate(device=device, dtype=dtype, head_size=args.head_size, block_size=args.block_size,
+                                   **({"kv_cache_dtype": kv_dtype} if kv_dtype is not None else {}))
             if reasons:
                 skipped[name] = "; ".join(reasons)
                 continue
@@ -124,7 +131,7 @@ def build_backends(args, device, dtype):
 def run(args):
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    itemsize = torch.tensor([], dtype=dtype).element_size()
+    itemsize = torch.tensor([], dtype=KV_DTYPES[args.kv_cache_dtype] or dtype).element_size()  # KV bytes
     backends, skipped = build_backends(args, device, dtype)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
@@ -140,6 +147,9 @@ def run(args):
         k, v = torch.randn(t, hkv, d, dtype=dtype, device=device), torch.randn(t, hkv, d, dtype=dtype, device=device)
         nbytes, flops = figures(kind, specs, h, hkv, d, itemsize)
         for name, backend in backends.items():
+            if KV_DTYPES[args.kv_cache_dtype] is not None:  # an FP8 cache belongs to its backend (its scales)
+                cache = backend.allocate_kv_cache(num_blocks, 1)[0]
+                cache.view(torch.uint8).copy_(torch.randint(0, 0x78, cache.shape, dtype=torch.uint8, device=device))
             if backend.kv_cache_shape(num_blocks) != tuple(cache.shape):
                 rows.append(dict(case=case, backend=name, error="kv_cache_shape differs from the default"))
                 continue
@@ -206,6 +216,8 @@ def main() -> None:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_DTYPES),
+                   help="auto: the compute dtype; fp8: an e4m3 cache (scales 1.0), backends that lack it skipped")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="back-to-back calls per timing sample")
