@@ -125,6 +125,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tile_seq_ptr, tile_q0_ptr,
     offs_d = tl.arange(0, HEAD)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if KV_FP8 and q_ptr.dtype.element_ty == tl.bfloat16:
+        # e4m3 widens to fp16 two values an instruction (to bf16 through fp32): the dots run in fp16
+        q = q.to(tl.float16)
     qpos = prefix + tok  # absolute position of each row's query token
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -177,6 +180,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_m, part_l, part_acc, d
     offs_d = tl.arange(0, HEAD)
     q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None], other=0.0)
+    if KV_FP8 and q_ptr.dtype.element_ty == tl.bfloat16:  # as in the prefill kernel: dots in fp16
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
