@@ -17,7 +17,9 @@ import torch
 
 from kvforge.bench import report
 from kvforge.bench.metrics import (
+    Precision,
     decode_step_floor_s,
+    engine_precision,
     kv_bytes_per_token,
     percentile,
     resolve_ceilings,
@@ -47,7 +49,7 @@ def time_batch(llm, workload: list[BenchRequest], max_tokens: int | None = None)
 
 
 def latency_row(engine: str, latencies: list[float], prefills: list[float], workload: list[BenchRequest], mc,
-                itemsize: int, bandwidth: float | None, flops: float | None) -> dict:
+                itemsize: int | Precision, bandwidth: float | None, flops: float | None) -> dict:
     """The columns of one engine's timed batches and prefill-only batches."""
     longest = max(r.output_len for r in workload)
     p50, prefill = percentile(latencies, 50), percentile(prefills, 50)
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     workload = timed[0]
     longest = max(r.output_len for r in workload)
     bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = engine_precision(engine.config, mc, torch.empty((), dtype=dtype).element_size())
     rows = [latency_row(f"kvforge ({engine.attn_backend_name})", latencies, prefills, workload, mc, itemsize,
                         bandwidth, flops) | {"load_seconds": load_s, "spec_decode": spec}]
     if vllm is not None:

@@ -36,6 +36,54 @@ H200_BANDWIDTH = 4.25e12
 H200_FLOPS = 779e12
 
 
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what a step streams, and the decoder matmuls' rate against ``flops``
+    (a plain ``int`` itemsize, accepted wherever a Precision is, means everything in that dtype)."""
+
+    layer_bytes: float  # per decoder-layer weight (quantized: 1 for FP8, 0.5 plus scales for INT4)
+    head_bytes: int  # per LM-head weight (always the model dtype)
+    kv_bytes: int  # per KV-cache element
+    matmul_speedup: float = 1.0  # FP8 tensor cores run twice the bf16 rate
+
+
+def _precision(p: int | Precision) -> Precision:
+    return p if isinstance(p, Precision) else Precision(p, p, p)
+
+
+#: built-in methods by weight format: FP8 weights run on FP8 tensor cores (twice the bf16 rate);
+#: INT4 weights keep a scale and a zero point in the model dtype per group (4 bytes per G in bf16)
+_FP8_METHODS = ("fp8",)
+_INT4_METHODS = ("int4", "awq", "gptq")
+
+
+def engine_precision(config: Any, mc: Any, itemsize: int) -> Precision:
+    """:func:`precision_for` an ``EngineConfig`` and its model's ``ModelConfig`` (model dtype ``itemsize``)."""
+    checkpoint = getattr(mc, "quantization_config", None)
+    method = config.quantization or (checkpoint or {}).get("quant_method")
+    kv = 1 if config.kv_cache_dtype in ("fp8", "fp8_e4m3") else itemsize
+    return precision_for(method, config.plugins.get(method or "", {}), checkpoint, itemsize, kv)
+
+
+def precision_for(quantization: str | None, options: dict, checkpoint: dict | None, itemsize: int,
+                  kv_itemsize: int) -> Precision:
+    """The :class:`Precision` of an engine: its ``quantization`` method (with its ``[plugins.<name>]``
+    ``options``, and the checkpoint's ``quantization_config``), the model dtype's ``itemsize`` and the
+    KV cache's. A method it does not know (a plugin's) counts as the model dtype."""
+    checkpoint = checkpoint or {}
+    kind = quantization
+    if quantization == "compressed-tensors":  # FP8 when a scheme has 8-bit weights, else INT4
+        bits = [g.get("weights", {}).get("num_bits") for g in (checkpoint.get("config_groups") or {}).values()]
+        kind = "fp8" if 8 in bits else "int4"
+    if kind in _FP8_METHODS:
+        return Precision(1, itemsize, kv_itemsize, 2.0)
+    if kind in _INT4_METHODS:
+        group = options.get("group_size") or checkpoint.get("group_size") or 128
+        group = group if group > 0 else 4096  # one group per channel: scales negligible
+        return Precision(0.5 + 2 * itemsize / group, itemsize, kv_itemsize)
+    return Precision(itemsize, itemsize, kv_itemsize)
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """The ``q``-th percentile (0..100) with linear interpolation, as ``numpy.percentile``; NaN if empty."""
     xs = sorted(values)
@@ -75,13 +123,20 @@ def param_count(mc: Any) -> int:
     return layer_params(mc) + lm_head_params(mc) * (1 if mc.tie_word_embeddings else 2)
 
 
-def step_weight_bytes(mc: Any, itemsize: int) -> int:
+def step_weight_bytes(mc: Any, itemsize: int | Precision) -> float:
     """Bytes of weights one forward step streams: the layers' matrices and the LM head."""
-    return (layer_params(mc) + lm_head_params(mc)) * itemsize
+    p = _precision(itemsize)
+    return layer_params(mc) * p.layer_bytes + lm_head_params(mc) * p.head_bytes
 
 
-def kv_bytes_per_token(mc: Any, itemsize: int) -> int:
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
+def kv_bytes_per_token(mc: Any, itemsize: int | Precision) -> int:
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * _precision(itemsize).kv_bytes
+
+
+def matmul_seconds(mc: Any, itemsize: int | Precision, tokens: float, head_tokens: float, flops: float) -> float:
+    """Seconds of matmul FLOPs: ``tokens`` through every layer, ``head_tokens`` through the LM head."""
+    p = _precision(itemsize)
+    return 2 * (layer_params(mc) * tokens / p.matmul_speedup + lm_head_params(mc) * head_tokens) / flops
 
 
 def attention_flops(mc: Any, pairs: float) -> float:
@@ -90,22 +145,22 @@ def attention_flops(mc: Any, pairs: float) -> float:
 
 
 # -- one step ------------------------------------------------------------------------------------------
-def decode_step_floor_s(mc: Any, itemsize: int, batch: int, context_sum: float, bandwidth: float,
+def decode_step_floor_s(mc: Any, itemsize: int | Precision, batch: int, context_sum: float, bandwidth: float,
                         flops: float) -> float:
     """Seconds a decode step of ``batch`` sequences needs at least, whose contexts (keys each new token
     attends to, itself included) add up to ``context_sum``: the matmuls, then attention, each at
     the slower of its two ceilings."""
-    matmuls = max(step_weight_bytes(mc, itemsize) / bandwidth,
-                  2 * (layer_params(mc) + lm_head_params(mc)) * batch / flops)
+    matmuls = max(step_weight_bytes(mc, itemsize) / bandwidth, matmul_seconds(mc, itemsize, batch, batch, flops))
     attention = max(context_sum * kv_bytes_per_token(mc, itemsize) / bandwidth,
                     attention_flops(mc, context_sum) / flops)
     return matmuls + attention
 
 
-def prefill_floor_s(mc: Any, tokens: int, pairs: float, prompts: int, flops: float) -> float:
+def prefill_floor_s(mc: Any, tokens: int, pairs: float, prompts: int, flops: float,
+                    itemsize: int | Precision = 2) -> float:
     """Seconds computing ``tokens`` prompt tokens of ``prompts`` prompts needs at least, their causal
     attention covering ``pairs`` (query, key) pairs: compute-bound."""
-    return (2 * layer_params(mc) * tokens + 2 * lm_head_params(mc) * prompts + attention_flops(mc, pairs)) / flops
+    return matmul_seconds(mc, itemsize, tokens, prompts, flops) + attention_flops(mc, pairs) / flops
 
 
 # -- a whole workload ----------------------------------------------------------------------------------
@@ -174,20 +229,20 @@ class Roofline:
                 "compute_bound_steps": self.compute_bound_steps}
 
 
-def roofline(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int,
+def roofline(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int | Precision,
              bandwidth: float, flops: float) -> Roofline:
     """The workload's floor (module docstring): prefill of its prompt trie, then ideal continuous
     batching of its decode steps in slots of ``max_num_seqs``."""
     tokens, pairs = prefill_work(workload)
     steps = decode_steps(workload, max_num_seqs)
-    knee = step_weight_bytes(mc, itemsize) / bandwidth * flops / (2 * (layer_params(mc) + lm_head_params(mc)))
-    return Roofline(prefill_s=prefill_floor_s(mc, tokens, pairs, len(workload), flops),
+    knee = step_weight_bytes(mc, itemsize) / bandwidth / matmul_seconds(mc, itemsize, 1, 1, flops)
+    return Roofline(prefill_s=prefill_floor_s(mc, tokens, pairs, len(workload), flops, itemsize),
                     decode_s=sum(decode_step_floor_s(mc, itemsize, b, c, bandwidth, flops) for b, c in steps),
                     decode_steps=len(steps), compute_bound_steps=sum(b > knee for b, _ in steps),
                     output_tokens=sum(r.output_len for r in workload))
 
 
-def roofline_tok_s(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int,
+def roofline_tok_s(mc: Any, workload: list[BenchRequest], max_num_seqs: int, itemsize: int | Precision,
                    bandwidth: float, flops: float) -> float:
     """Output tokens/s at the roofline (see :func:`roofline`)."""
     return roofline(mc, workload, max_num_seqs, itemsize, bandwidth, flops).tok_s

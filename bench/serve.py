@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from kvforge.bench import report
-from kvforge.bench.metrics import resolve_ceilings, roofline_tok_s, summarize
+from kvforge.bench.metrics import engine_precision, resolve_ceilings, roofline_tok_s, summarize
 from kvforge.bench.spec_stats import describe as describe_spec
 from kvforge.bench.spec_stats import from_metrics, spec_delta
 from kvforge.bench.throughput import derive, device_name, finish, workload_for
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     if dtype is not None:
         bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, torch.device(dev).type)
         if bandwidth and flops:
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = engine_precision(config, mc, torch.empty((), dtype=dtype).element_size())
             roofline = roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
     derive(rows, workload, roofline)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"

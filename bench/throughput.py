@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvforge.bench import report
-from kvforge.bench.metrics import resolve_ceilings, roofline, summarize
+from kvforge.bench.metrics import engine_precision, resolve_ceilings, roofline, summarize
 from kvforge.bench.peers import free_memory, run_peer, sync
 from kvforge.bench.spec_stats import describe as describe_spec
 from kvforge.bench.spec_stats import spec_delta
@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
              "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
              "spec_decode": spec_delta(before["spec_decode"], after["spec_decode"])}
     max_num_seqs, model_name = engine.config.max_num_seqs, source.name
+    # the roofline at kvforge's precision (quantized weights, FP8 KV cache); the peers run the same
+    precision = engine_precision(engine.config, mc, torch.empty((), dtype=dtype).element_size())
     del llm, engine
     free_memory()
 
@@ -197,8 +199,7 @@ def run(args: argparse.Namespace) -> int:
     rows += [run_peer(p, source, mc, workload, device, dtype, args.seed or 0, args.hf_batch_size)
              for p in args.vs if p != "vllm"]
     bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    floor = roofline(mc, workload, max_num_seqs, itemsize, bandwidth, flops) if bandwidth and flops else None
+    floor = roofline(mc, workload, max_num_seqs, precision, bandwidth, flops) if bandwidth and flops else None
     roofline_tok_s = floor.tok_s if floor else None
     derive(rows, workload, roofline_tok_s)
     dev = device_name(device)

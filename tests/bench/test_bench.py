@@ -13,6 +13,7 @@ import pytest
 from kvforge.bench.metrics import (
     H200_BANDWIDTH,
     H200_FLOPS,
+    Precision,
     attention_flops,
     decode_step_floor_s,
     decode_steps,
@@ -20,6 +21,7 @@ from kvforge.bench.metrics import (
     layer_params,
     param_count,
     percentile,
+    precision_for,
     prefill_work,
     roofline,
     step_weight_bytes,
@@ -115,6 +117,24 @@ def test_roofline_takes_the_slower_ceiling_of_each_kernel_kind():
     # the knee is at 2816 / 1000 * 1000 / (2 * 1408) = 1 sequence: batch 2 is past it, batch 1 on it
     assert roofline(mc, w, 2, 2, 1000.0, 1000.0).compute_bound_steps == 1
     assert roofline(mc, w, 2, 2, 1000.0, 500.0).compute_bound_steps == 2
+
+
+def test_roofline_counts_quantized_weights_and_an_fp8_kv_cache_at_their_own_bytes():
+    mc = tiny_shape()  # 1152 layer weights, 256 LM-head weights, 16 KV elements per token
+    fp8 = precision_for("fp8", {}, None, 2, 1)
+    assert fp8 == Precision(1, 2, 1, 2.0)  # FP8 layers (the LM head stays bf16), FP8 tensor cores, FP8 KV
+    assert step_weight_bytes(mc, fp8) == 1152 * 1 + 256 * 2 and kv_bytes_per_token(mc, fp8) == 16
+    # compute-bound at 1000 FLOP/s, batch 2, contexts 9: layer matmuls at twice the rate, the LM head not
+    assert decode_step_floor_s(mc, fp8, 2, 9, 1e12, 1000.0) == pytest.approx(
+        (2 * 1152 * 2 / 2 + 2 * 256 * 2) / 1000 + 9 * 64 / 1000)
+    # INT4 with groups of 64 in bf16: half a byte plus a 2-byte scale and a 2-byte zero point per 64
+    int4 = precision_for("awq", {}, {"quant_method": "awq", "group_size": 64}, 2, 2)
+    assert int4.layer_bytes == 0.5 + 4 / 64 and int4.matmul_speedup == 1.0
+    assert precision_for("int4", {"group_size": 32}, None, 2, 2).layer_bytes == 0.5 + 4 / 32
+    ct = {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 8}}}}
+    assert precision_for("compressed-tensors", {}, ct, 2, 2).layer_bytes == 1
+    # a plugin's method kvforge cannot see into counts as the model dtype
+    assert precision_for("dummy_int8", {}, None, 2, 2) == Precision(2, 2, 2)
 
 
 # -- workloads ----------------------------------------------------------------------------------------
