@@ -72,13 +72,16 @@ def precision_for(quantization: str | None, options: dict, checkpoint: dict | No
     KV cache's. A method it does not know (a plugin's) counts as the model dtype."""
     checkpoint = checkpoint or {}
     kind = quantization
+    group = options.get("group_size") or checkpoint.get("group_size") or checkpoint.get("q_group_size") or 128
     if quantization == "compressed-tensors":  # FP8 when a scheme has 8-bit weights, else INT4
-        bits = [g.get("weights", {}).get("num_bits") for g in (checkpoint.get("config_groups") or {}).values()]
-        kind = "fp8" if 8 in bits else "int4"
+        weights = [g.get("weights") or {} for g in (checkpoint.get("config_groups") or {}).values()]
+        kind = "fp8" if any(w.get("num_bits") == 8 for w in weights) else "int4"
+        int4 = [w for w in weights if w.get("num_bits") == 4]
+        if int4:
+            group = -1 if int4[0].get("strategy") == "channel" else (int4[0].get("group_size") or 128)
     if kind in _FP8_METHODS:
         return Precision(1, itemsize, kv_itemsize, 2.0)
     if kind in _INT4_METHODS:
-        group = options.get("group_size") or checkpoint.get("group_size") or 128
         group = group if group > 0 else 4096  # one group per channel: scales negligible
         return Precision(0.5 + 2 * itemsize / group, itemsize, kv_itemsize)
     return Precision(itemsize, itemsize, kv_itemsize)

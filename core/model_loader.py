@@ -238,8 +238,9 @@ def _fill_random(model: torch.nn.Module, seed: int, device: torch.device) -> Non
         whole = torch.empty(full_shape(p), dtype=_draw_dtype(p.dtype), device=device)
         if whole.is_floating_point():
             whole.normal_(0.0, 0.02, generator=gen)
-        else:  # packed integers (a pre-quantized checkpoint's layout): random bits
-            whole.random_(generator=gen)
+        else:  # packed integers (a pre-quantized checkpoint's layout): random bits, all of them
+            info = torch.iinfo(whole.dtype)
+            whole.random_(info.min, info.max, generator=gen)
         whole = whole.to(p.dtype)
         if tuple(full_shape(p)) == tuple(p.shape):
             p.copy_(whole)

@@ -106,14 +106,18 @@ def resolve(registry: dict[str, type], requested: str | None, model_config: Any)
         formats = sorted({f for cls in registry.values() for f in cls.checkpoint_formats})
         raise ValueError(f"config.json field 'quantization_config' has quant_method {fmt!r}, which no "
                          f"registered quantization method loads; supported: {', '.join(formats)}")
-    return loaders[0]
+    if len(loaders) > 1 and fmt not in loaders:  # a plugin's and a built-in's: which one is not ours to guess
+        raise ValueError(f"quant_method {fmt!r} is loaded by several quantization methods ({', '.join(loaders)}); "
+                         "name one with quantization=")
+    return fmt if fmt in loaders else loaders[0]
 
 
-def ignored(names: list[str], patterns: list[str] | None, field: str) -> bool:
+def ignored(names: list[str], patterns: list[str] | None, field: str, *, exact: bool = False) -> bool:
     """Whether a checkpoint keeps a layer (holding modules ``names``) unquantized: every name contains
-    one of ``patterns`` (vLLM's rule for ``modules_to_not_convert``-style lists); a fused layer half
-    ignored is a ``ValueError`` naming ``field``."""
-    hits = [any(p in n for p in patterns or ()) for n in names]
+    one of ``patterns`` (vLLM's rule for AWQ's ``modules_to_not_convert``), or with ``exact`` equals one
+    (vLLM's rule for fp8's ``ignored_layers``); a fused layer half ignored is a ``ValueError`` naming
+    ``field``."""
+    hits = [any(p == n if exact else p in n for p in patterns or ()) for n in names]
     if any(hits) and not all(hits):
         raise ValueError(f"quantization_config field {field!r} ignores part of a fused layer: "
                          f"{[n for n, h in zip(names, hits) if h]} but not the rest of {names}")
@@ -152,16 +156,26 @@ def checkpoint_names(model: nn.Module, module_name: str) -> list[str]:
 def attach_all(model: nn.Module, method: QuantizationMethod | None) -> None:
     """Give every linear layer of a freshly built ``model`` its method (from ``method``) and let it
     create its weights, on the current default device; a layer without one gets its full-precision
-    weight."""
+    weight. A method whose ``create_weights`` made parameters of its own leaves the meta placeholder
+    ``weight`` behind: it is dropped. A method given a model without such layers is a ``ValueError``
+    (it would change nothing)."""
+    layers = 0
     for name, module in model.named_modules():
         if not getattr(module, "quantizable", False) or module.quant_method is not None:
             continue
+        layers += 1
         lm = method.linear_method(module, checkpoint_names(model, name)) if method is not None else None
         module.quant_method = lm
         if lm is None:
             module.materialize_weight()
-        else:
-            lm.create_weights(module)
+            continue
+        lm.create_weights(module)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_meta:
+            del module.weight
+    if method is not None and layers == 0:
+        raise ValueError(f"quantization {method.name!r}: the model {type(model).__name__} has no kvforge.layers "
+                         "linear layers to quantize")
 
 
 def process_after_loading(model: nn.Module) -> None:

@@ -40,8 +40,9 @@ STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
 }
 #: FP8 KV-cache scales: the name after "model.layers.N." -> set_kv_scales keyword (compressed-tensors;
 #: older checkpoints use the K/V projections' output_scale)
-KV_SCALE_NAMES = {"self_attn.k_scale": "k_scale", "self_attn.v_scale": "v_scale",
-                  "self_attn.k_proj.output_scale": "k_scale", "self_attn.v_proj.output_scale": "v_scale"}
+KV_SCALE_NAMES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
+                  "self_attn.k_proj.output_scale": ("k_scale",), "self_attn.v_proj.output_scale": ("v_scale",),
+                  "self_attn.kv_scale": ("k_scale", "v_scale")}  # AutoFP8: one scale for both
 #: checkpoint tensors that hold nothing we need (recomputed buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -257,7 +258,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.startswith("model.layers.") and name.split(".", 3)[3] in KV_SCALE_NAMES:
                 layer = int(name.split(".")[2])  # the FP8 KV cache's scales live on the attention backend
-                self.model.layers[layer].self_attn.attn.set_kv_scales(layer, **{KV_SCALE_NAMES[name.split(".", 3)[3]]: w})
+                self.model.layers[layer].self_attn.attn.set_kv_scales(
+                    layer, **{k: w for k in KV_SCALE_NAMES[name.split(".", 3)[3]]})
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, module_name = module_path.rpartition(".")
@@ -266,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
                 fused, shard = STACKED_PARAMS[module_name]
                 key = (f"{parent}.{fused}.{leaf}", shard)
             param = params.get(key[0])
+            if param is None and name.endswith(".bias") and not w.any():
+                continue  # an all-zero bias some quantizers save (AutoGPTQ's QuantLinear) adds nothing
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
             loader = getattr(param, "weight_loader", default_weight_loader)

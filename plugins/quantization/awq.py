@@ -21,7 +21,6 @@ class AwqLinear(Int4LinearMethod):
         layer.qweight = layer.make_param((("in", 1), ("out", 8)), torch.int32)
         layer.qzeros = layer.make_param((g, ("out", 8)), torch.int32)
         layer.scales = layer.make_param((g, ("out", 1)))
-        del layer.weight  # the meta placeholder: the checkpoint has none
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_cols(layer.qweight.data, AWQ_ORDER)

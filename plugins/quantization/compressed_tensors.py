@@ -51,7 +51,6 @@ class PackedInt4Linear(Int4LinearMethod):
             layer.weight_zero_point = layer.make_param((("out", 8), g), torch.int32)
         layer.weight_shape = layer.make_param((2,), torch.int64, loader=self._shape_loader(layer))
         layer.weight_shape.random_fill = False
-        del layer.weight
 
     @staticmethod
     def _shape_loader(layer: nn.Module) -> Any:
@@ -86,6 +85,10 @@ class CompressedTensorsQuantization(QuantizationMethod):
         if not isinstance(groups, dict) or not groups:
             raise ValueError("quantization_config field 'config_groups' must name at least one scheme")
         self.schemes = [(name, s, self._layer_method_factory(name, s)) for name, s in groups.items()]
+        sparsity = qc.get("sparsity_config") or {}
+        if sparsity.get("format") not in (None, "dense"):
+            raise ValueError(f"quantization_config field 'sparsity_config' has format {sparsity['format']!r}: "
+                             "sparse compressed-tensors checkpoints are not supported; supported: dense")
 
     def _layer_method_factory(self, group: str, scheme: dict[str, Any]) -> Any:
         """Check one scheme; returns a function making its layer method."""
@@ -93,7 +96,7 @@ class CompressedTensorsQuantization(QuantizationMethod):
         a = scheme.get("input_activations")
         fmt = scheme.get("format") or self.format
         where = f"quantization_config config_groups.{group}"
-        if w.get("type") == "float" and w.get("num_bits") == 8 and fmt in ("float-quantized", None) and a \
+        if w.get("type") == "float" and w.get("num_bits") == 8 and fmt in ("float-quantized", "naive-quantized", None) and a \
                 and a.get("type") == "float" and a.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor"):
             dynamic = bool(a.get("dynamic"))
             if (a.get("strategy"), dynamic) not in (("token", True), ("tensor", False)):
@@ -122,7 +125,9 @@ class CompressedTensorsQuantization(QuantizationMethod):
             if any(_matches(t, n) for t in self.ignore):
                 chosen.add(None)
                 continue
-            hits = [g for g, s, _ in self.schemes if any(_matches(t, n) for t in s.get("targets") or ())]
+            # a module's own name or a regex wins over the class name "Linear" (as compressed-tensors matches)
+            named = [g for g, s, _ in self.schemes if any(t != "Linear" and _matches(t, n) for t in s.get("targets") or ())]
+            hits = named or [g for g, s, _ in self.schemes if "Linear" in (s.get("targets") or ())]
             chosen.add(hits[0] if hits else None)
         if len(chosen) > 1:
             raise ValueError(f"compressed-tensors checkpoint: the fused modules {names} have different schemes "

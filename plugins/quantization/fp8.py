@@ -74,6 +74,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.static:
             layer.input_scale = layer.make_param((1,), torch.float32, loader=_max_loader)
             layer.input_scale.data.zero_()
+            layer.input_scale.random_fill = False  # dummy weights: a scale of 1.0 (set once loaded)
 
     @staticmethod
     def _scale_loader(layer: nn.Module) -> Any:
@@ -92,6 +93,8 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight = nn.Parameter(q, requires_grad=False)  # the full-precision copy is freed
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)  # [out, 1]
         layer.weight_scale_t = layer.weight_scale.data.t()  # [1, out]: _scaled_mm's scale_b
+        if self.static and layer.input_scale.item() == 0:  # never loaded: dummy weights
+            layer.input_scale.data.fill_(1.0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -130,6 +133,9 @@ def _max_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None)
     """A static activation scale: the fused parts of one layer share the largest of theirs."""
     if loaded.numel() != 1:
         raise ValueError(f"input_scale has shape {tuple(loaded.shape)}; only a per-tensor scale is supported")
+    value = float(loaded.reshape(-1)[0])
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"input_scale is {value}; it must be a finite number > 0")
     param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
 
 
@@ -160,10 +166,11 @@ class Fp8Quantization(QuantizationMethod):
             raise ValueError(f"quantization_config field 'activation_scheme' is {scheme!r}; "
                              "supported: dynamic, static")
         self.static = scheme == "static"
-        self.skip = qc.get("ignored_layers") or qc.get("modules_to_not_convert")
+        self.skip_field = "ignored_layers" if qc.get("ignored_layers") else "modules_to_not_convert"
+        self.skip = qc.get(self.skip_field)
 
     def linear_method(self, layer: nn.Module, names: list[str]) -> LinearMethod | None:
         checkpoint = self.checkpoint_config is not None
-        if checkpoint and ignored(names, self.skip, "ignored_layers"):
+        if checkpoint and ignored(names, self.skip, self.skip_field, exact=self.skip_field == "ignored_layers"):
             return None
         return Fp8LinearMethod(self.gemm, checkpoint=checkpoint, static=self.static)

@@ -26,10 +26,18 @@ class GptqLinear(Int4LinearMethod):
         layer.qweight = layer.make_param((("in", 8), ("out", 1)), torch.int32)
         layer.qzeros = layer.make_param((g, ("out", 8)), torch.int32)
         layer.scales = layer.make_param((g, ("out", 1)))
-        layer.g_idx = layer.make_param((("in", 1),), torch.int32)
+        layer.g_idx = layer.make_param((("in", 1),), torch.int32, loader=self._g_idx_loader(layer))
         layer.g_idx.data.copy_(self._groups(layer))
         layer.g_idx.random_fill = False  # dummy weights keep the sequential groups
-        del layer.weight
+
+    def _g_idx_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            """Each part of a fused layer has a g_idx of its own: every one must be sequential."""
+            layer.weight_loader(param, loaded, shard_id)
+            if not torch.equal(param.data, self._groups(layer)):
+                raise ValueError("g_idx is not sequential (inputs reordered by act-order); only desc_act=false "
+                                 "GPTQ checkpoints are supported")
+        return load
 
     def _groups(self, layer: nn.Module) -> torch.Tensor:
         """Each of this rank's inputs' group without act-order (a row-parallel rank starts at ``start``)."""
@@ -40,8 +48,8 @@ class GptqLinear(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not torch.equal(layer.g_idx.data, self._groups(layer)):
-            raise ValueError("GPTQ checkpoint: g_idx is not sequential (inputs reordered by act-order); "
-                             "only desc_act=false checkpoints are supported")
+            raise ValueError(f"GPTQ checkpoint: g_idx of {type(layer).__name__} ({layer.output_size} outputs) is not "
+                             "sequential (inputs reordered by act-order); only desc_act=false checkpoints are supported")
         zeros = unpack_cols(layer.qzeros.data).float() + self.zero_offset
         self.finish(layer, unpack_rows(layer.qweight.data), layer.scales.data.float(), zeros)
 
@@ -72,6 +80,15 @@ class GptqQuantization(QuantizationMethod):
         self.zero_offset = 1 if fmt == "gptq" else 0
         self.group_size = int(qc.get("group_size", 128))
         check_group_size("quantization_config field 'group_size'", self.group_size)
+        blocks = qc.get("modules_in_block_to_quantize")  # [[names...], ...]: the rest stays unquantized
+        self.only = None if not blocks else [m for group in blocks for m in group]
 
     def linear_method(self, layer: nn.Module, names: list[str]) -> LinearMethod | None:
+        if self.only is not None:
+            listed = [any(n.endswith("." + m) for m in self.only) for n in names]
+            if any(listed) != all(listed):
+                raise ValueError(f"quantization_config field 'modules_in_block_to_quantize' quantizes part of "
+                                 f"the fused layer {names}")
+            if not all(listed):
+                return None
         return GptqLinear(self.group_size, self.zero_offset)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvforge import quantization
 from kvforge.attention import BatchLayout
 from kvforge.builder import select_attention_backend
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
@@ -59,7 +60,10 @@ class DraftModelDrafter(Drafter):
                                              dtype=self.dtype, head_size=mc.head_dim, block_size=self.block_size)
         self.attn = cls(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim,
                         scale=mc.head_dim ** -0.5, block_size=self.block_size, dtype=self.dtype, device=self.device)
-        self.model = load_model(src, mc, self.attn, self.dtype, self.device)
+        pm = get_plugin_manager()
+        method = quantization.resolve(quantization.registered(pm), None, mc)  # a pre-quantized draft's
+        quant = pm.get("quantization_method", method)(model_config=mc) if method else None
+        self.model = load_model(src, mc, self.attn, self.dtype, self.device, quant=quant)
         self.enforce_eager = enforce_eager
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: Any = None

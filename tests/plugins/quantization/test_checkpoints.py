@@ -203,9 +203,79 @@ def test_fp8_kv_cache_scales_load_from_the_checkpoint(tmp_path, checkpoints):
     tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
     tensors["model.layers.0.self_attn.v_scale"] = torch.tensor([0.25])
     tensors["model.layers.3.self_attn.k_proj.output_scale"] = torch.tensor(2.0)
+    tensors["model.layers.5.self_attn.kv_scale"] = torch.tensor(3.0)  # AutoFP8: one scale for K and V
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(open(f"{src}/config.json").read())
     llm = LLM(str(tmp_path), tokenizer=default_model_path(), kv_cache_dtype="fp8", **ENGINE)
     driver = llm.llm_engine.executor.driver
     scales = [driver.attn.layer_kv_scales(cache) for cache in driver.kv_caches]
-    assert [(s.k, s.v) for s in scales[:4]] == [(0.5, 0.25), (1.0, 1.0), (1.0, 1.0), (2.0, 1.0)]
+    assert [(s.k, s.v) for s in scales[:6]] == [(0.5, 0.25), (1.0, 1.0), (1.0, 1.0), (2.0, 1.0), (1.0, 1.0), (3.0, 3.0)]
+
+
+def _method(cls, qc: dict):
+    return cls(model_config=dataclasses.replace(ModelConfig.from_preset("tiny"), quantization_config=qc))
+
+
+def test_layer_selection_follows_each_formats_own_rules():
+    from kvforge.plugins.quantization.compressed_tensors import PackedInt4Linear
+    from kvforge.plugins.quantization.fp8 import Fp8LinearMethod, Fp8Quantization
+    from kvforge.plugins.quantization.gptq import GptqQuantization
+
+    int4 = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}}
+    fp8 = {"targets": ["re:.*down_proj"], "format": "float-quantized",  # a mixed-precision checkpoint's group
+           "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+           "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}
+    ct = _method(CompressedTensorsQuantization, {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                                                 "config_groups": {"group_0": int4 | {"format": "pack-quantized"},
+                                                                   "group_1": fp8}})
+    # a regex naming the module wins over the class name "Linear", whatever the groups' order
+    assert isinstance(ct.linear_method(None, ["model.layers.0.mlp.down_proj"]), Fp8LinearMethod)
+    assert isinstance(ct.linear_method(None, ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]),
+                      PackedInt4Linear)
+    # fp8's ignored_layers are exact names: a router called "...mlp.gate" does not touch gate_proj
+    q = _method(Fp8Quantization, {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.gate"]})
+    assert q.linear_method(None, ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]) is not None
+    # GPTQ's modules_in_block_to_quantize: the rest stays unquantized; half a fused layer is refused
+    g = _method(GptqQuantization, {"quant_method": "gptq", "bits": 4, "group_size": 64,
+                                   "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj",
+                                                                     "self_attn.v_proj"], ["mlp.down_proj"]]})
+    assert g.linear_method(None, ["model.layers.0.self_attn.o_proj"]) is None
+    assert g.linear_method(None, ["model.layers.0.mlp.down_proj"]) is not None
+    with pytest.raises(ValueError, match="modules_in_block_to_quantize"):
+        _method(GptqQuantization, {"quant_method": "gptq", "bits": 4, "group_size": 64,
+                                   "modules_in_block_to_quantize": [["mlp.gate_proj"]]}).linear_method(
+            None, ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"])
+    with pytest.raises(ValueError, match="'sparsity_config' has format 'sparse-24-bitmask'"):
+        _method(CompressedTensorsQuantization, {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                "config_groups": {"g": int4},
+                                                "sparsity_config": {"format": "sparse-24-bitmask"}})
+
+
+def test_a_method_given_a_model_without_kvforge_linear_layers_is_refused():
+    from kvforge.plugins.quantization.fp8 import Fp8Quantization
+
+    with pytest.raises(ValueError, match="no kvforge.layers linear layers"):
+        quantization.attach_all(torch.nn.Sequential(torch.nn.Linear(4, 4)), Fp8Quantization())
+
+
+def test_gptq_extra_zero_biases_are_skipped_and_a_quantized_draft_model_loads(tmp_path, checkpoints):
+    """AutoGPTQ's QuantLinear saves an all-zero bias per layer; and a pre-quantized draft model
+    (speculative_config) loads its own quantization_config: greedy speculation is lossless, so the
+    target's tokens are the plain run's."""
+    from safetensors.torch import load_file, save_file
+
+    from kvforge import SamplingParams
+
+    src = checkpoints["gptq"]
+    tensors = load_file(f"{src}/model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(576, dtype=torch.float16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(open(f"{src}/config.json").read())
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    plain = [o.outputs[0].token_ids for o in LLM(**ENGINE).generate(prompts, params, use_tqdm=False)]
+    spec = LLM(speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3},
+               **ENGINE)
+    drafter = spec.llm_engine.spec.drafter
+    assert drafter.model.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.int32
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == plain
