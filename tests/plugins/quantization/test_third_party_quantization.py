@@ -1,6 +1,7 @@
 """A quantization format brought by a third-party package (the dummy plugin's ``dummy_int8``, weight-only
 int8 with a scale per output channel), selected by a config file with its own options: the engine runs
-the contract's steps on it, and its greedy tokens stay those of the float32 model."""
+the contract's steps on it, and its greedy tokens stay those of the float32 model. The same package
+loads a pre-quantized ``dummy_int8`` checkpoint (``checkpoint_formats``, ``layer.make_param``)."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +32,36 @@ def test_third_party_quantization_method_selected_by_config_file(dummy_plugin_in
     ref = [o.outputs[0].token_ids for o in LLM(device="cpu", max_model_len=256, num_gpu_blocks_override=64)
            .generate(PROMPTS, params, use_tqdm=False)]
     assert sum(a[:8] == b[:8] for a, b in zip(got, ref)) >= 3  # int8 weights: near-lossless
+
+
+def test_third_party_pre_quantized_checkpoint_loads_as_its_on_load_twin(dummy_plugin_installed, tmp_path):
+    """A checkpoint whose config.json says ``"quant_method": "dummy_int8"`` selects the plugin by itself
+    and gives exactly the logits of the same int8 values quantized on load."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from kvforge.model_loader import default_model_path, iter_weights, load_model_config, resolve_model_source
+
+    src = resolve_model_source(None)
+    tensors = {}
+    for name, w in iter_weights(src):
+        if name.endswith("_proj.weight"):  # the plugin's quantization, written out
+            scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+            tensors[name] = (w / scale).round().clamp(-127, 127).to(torch.int8)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            tensors[name] = w.contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf = load_model_config(src).to_hf_dict() | {"quantization_config": {"quant_method": "dummy_int8"}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    engine = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=64)
+    stored = LLM(str(tmp_path), tokenizer=default_model_path(), **engine)
+    assert stored.llm_engine.config.quantization == "dummy_int8"
+    assert stored.llm_engine.executor.driver.model.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    on_load = LLM(quantization="dummy_int8", **engine)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    ids = [{"prompt_token_ids": list(range(1, 40))}]
+    a = stored.generate(ids, params, use_tqdm=False)[0].prompt_logprobs[1:]
+    b = on_load.generate(ids, params, use_tqdm=False)[0].prompt_logprobs[1:]
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in a] == [{t: lp.logprob for t, lp in pos.items()} for pos in b]

@@ -112,12 +112,25 @@ class CountingExecutor(UniExecutor):
 
 
 class _Int8Linear(LinearMethod):
+    def __init__(self, checkpoint=False):
+        self.checkpoint = checkpoint  # a "dummy_int8" checkpoint: int8 weight and weight_scale stored
+
+    def create_weights(self, layer):
+        if not self.checkpoint:
+            layer.materialize_weight()
+            return
+        # the checkpoint's layout, sliced under tensor parallelism by the layer's own loaders
+        layer.weight = layer.make_param((("out", 1), ("in", 1)), torch.int8)
+        layer.weight_scale = layer.make_param((("out", 1), 1), torch.float32)
+
     def process_weights_after_loading(self, layer):
+        Int8WeightOnly.processed += 1
+        if self.checkpoint:
+            return
         w = layer.weight.data.float()
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
         layer.weight = torch.nn.Parameter((w / scale).round().clamp(-127, 127).to(torch.int8), requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
-        Int8WeightOnly.processed += 1
 
     def apply(self, layer, x):
         Int8WeightOnly.applied += 1
@@ -133,6 +146,7 @@ class Int8WeightOnly(QuantizationMethod):
     """Weight-only int8 with a scale per output channel: a format a third-party package adds."""
 
     name = "dummy_int8"
+    checkpoint_formats = ("dummy_int8",)  # config.json quantization_config {"quant_method": "dummy_int8"}
     Options = Int8Options
     processed = 0
     applied = 0
@@ -142,5 +156,5 @@ class Int8WeightOnly(QuantizationMethod):
         self.skip = skip
 
     def linear_method(self, layer, names):
-        return None if type(layer).__name__ == self.skip else _Int8Linear()
+        return None if type(layer).__name__ == self.skip else _Int8Linear(self.checkpoint_config is not None)
 
