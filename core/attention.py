@@ -201,6 +201,10 @@ class AttentionBackend(ABC):
             setattr(scales, name[0], value)
             scales.tensor[i] = value
 
+    def kv_scales(self, kv_cache: torch.Tensor) -> KVScales | None:
+        """:meth:`layer_kv_scales` of an FP8 cache; None for a cache in the model dtype."""
+        return self.layer_kv_scales(kv_cache) if self.fp8_kv else None
+
     def layer_kv_scales(self, kv_cache: torch.Tensor) -> KVScales:
         """The scales of the layer whose FP8 cache (from :meth:`allocate_kv_cache`) is ``kv_cache``."""
         scales = self._cache_scales.get(kv_cache.data_ptr())

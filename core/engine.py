@@ -53,9 +53,10 @@ class LLMEngine:
 
         self.source = resolve_model_source(config.model, config.load_format)
         mc = self.model_config = load_model_config(self.source)
-        method = quantization.resolve(quantization.registered(pm), config.quantization, mc)
-        if method != config.quantization:  # the method that loads the checkpoint's quantization_config
-            config = self.config = dataclasses.replace(config, quantization=method)
+        if config.quantization is not None or mc.quantization_config is not None:
+            method = quantization.resolve(quantization.registered(pm), config.quantization, mc)
+            if method != config.quantization:  # the method that loads the checkpoint's quantization_config
+                config = self.config = dataclasses.replace(config, quantization=method)
         self.tokenizer = tokenizer_for(config, self.source, mc)
         self.eos_token_ids = tuple(mc.eos_token_ids)
 

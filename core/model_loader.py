@@ -235,17 +235,24 @@ def _fill_random(model: torch.nn.Module, seed: int, device: torch.device) -> Non
             p.fill_(1.0)
             continue
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        whole = torch.empty(full_shape(p), dtype=_draw_dtype(p.dtype), device=device)
-        if whole.is_floating_point():
-            whole.normal_(0.0, 0.02, generator=gen)
-        else:  # packed integers (a pre-quantized checkpoint's layout): random bits, all of them
-            info = torch.iinfo(whole.dtype)
-            whole.random_(info.min, info.max, generator=gen)
-        whole = whole.to(p.dtype)
-        if tuple(full_shape(p)) == tuple(p.shape):
+        draw = _draw_dtype(p.dtype)
+        whole_here = tuple(full_shape(p)) == tuple(p.shape)
+        if whole_here and draw == p.dtype:  # drawn in place: no temporary (an 8B model's start-up)
+            _draw(p.data, gen)
+            continue
+        whole = _draw(torch.empty(full_shape(p), dtype=draw, device=device), gen).to(p.dtype)
+        if whole_here:
             p.copy_(whole)
         else:
             load_full(p, whole)
+
+
+def _draw(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``t`` filled with N(0, 0.02), or for packed integers (a pre-quantized layout) random bits, all of them."""
+    if t.is_floating_point():
+        return t.normal_(0.0, 0.02, generator=gen)
+    info = torch.iinfo(t.dtype)
+    return t.random_(info.min, info.max, generator=gen)
 
 
 def _draw_dtype(dtype: torch.dtype) -> torch.dtype:

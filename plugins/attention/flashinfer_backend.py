@@ -245,7 +245,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         q = q[:n].contiguous()
         # NOTE: every new K/V of the step is written before either wrapper reads the cache; slot -1
         # (graph padding) writes nothing
-        scales = self.layer_kv_scales(kv_cache) if self.fp8_kv else None
+        scales = self.kv_scales(kv_cache)
         write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], None if scales is None else scales.tensor)
         scale_kw = {} if scales is None else dict(k_scale=scales.k, v_scale=scales.v)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]

@@ -56,7 +56,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = meta.num_tokens
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
         hkv, d = self.num_kv_heads, self.head_size
-        scales = self.layer_kv_scales(kv_cache).tensor if self.fp8_kv else None
+        scales = getattr(self.kv_scales(kv_cache), "tensor", None)  # [2] fp32 (k, v) for an FP8 cache
         write_kv_torch(k, v, kv_cache, meta.slot_mapping[:num_tokens], scales)
         # an FP8 cache is gathered as bytes and dequantized after the gather (pages() below)
         k_cache, v_cache = as_bytes(kv_cache)  # each [num_blocks, block_size, kv_heads, head_size]

@@ -135,7 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
         n = meta.num_tokens
         # the kernels take any token/head strides but need a contiguous head dimension
         q, k, v = (t[:n] if t.stride(-1) == 1 else t[:n].contiguous() for t in (q, k, v))
-        scales = self.layer_kv_scales(kv_cache).tensor if self.fp8_kv else None  # [2] fp32 on the device
+        scales = getattr(self.kv_scales(kv_cache), "tensor", None)  # [2] fp32 (k, v) for an FP8 cache
         # NOTE: every new K/V is written before any attention kernel reads the cache (stream order)
         kern.reshape_and_cache(k, v, kv_cache, meta.slot_mapping[:n], scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -101,6 +101,9 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])
         if self.fast is None:
             self.fast = _fp8_tensor_cores(x.device) and x.dtype in (torch.bfloat16, torch.float16)
+            if self.fast:  # imported once, here: the module imports triton (and this one)
+                from kvforge.plugins.quantization import fp8_triton
+                self.kernels = fp8_triton
         if self.fast:
             y = self._gpu(layer, x2)
         else:
@@ -117,7 +120,7 @@ class Fp8LinearMethod(LinearMethod):
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def _gpu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        from kvforge.plugins.quantization import fp8_triton
+        fp8_triton = self.kernels
 
         if self.static:
             xq = fp8_triton.quantize_static_fp8(x, layer.input_scale)

@@ -27,16 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.plugins.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows
-from kvforge.plugins.quantization.triton_gemm import (
-    GemmConfig,
-    choose_split_k,
-    k_per_split,
-    kernels,
-    num_sms,
-    pick_config,
-    sum_splits,
-    uses_triton,
-)
+from kvforge.plugins.quantization.triton_gemm import GemmConfig, SplitK, kernels, pick_config, uses_triton
 
 #: M bucket (largest M) -> block sizes, the fastest of benchmarks/quant_kernels.py --sweep's candidates
 #: on the H100 (us summed over the four Llama-3-8B layers; at M = 1 and 16 for the first bucket).
@@ -143,16 +134,12 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    triton, kern = kernels()
+    _, kern = kernels()
     cfg = config or pick_config(FP8_CONFIGS, m)
-    grid_mn = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    split = cfg.split_k or choose_split_k(grid_mn[0] * grid_mn[1], k, num_sms(xq.device), PROGRAMS_PER_SM)
-    k_split, split = k_per_split(k, split, cfg.block_k)
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
-    kern.fp8_gemm_kernel[(*grid_mn, split)](
-        xq, x_scale, wq, w_scale, dest, m, n, k, k_split,
-        *xq.stride(), x_scale.stride(0), *wq.stride(), w_scale.stride(0),
-        dest.stride(-2), dest.stride(-1), dest.stride(0) if split > 1 else 0,
+    launch = SplitK.plan(out, k, cfg, cfg.block_k, PROGRAMS_PER_SM)
+    kern.fp8_gemm_kernel[launch.grid](
+        xq, x_scale, wq, w_scale, launch.dest, m, n, k, launch.k_split,
+        *xq.stride(), x_scale.stride(0), *wq.stride(), w_scale.stride(0), *launch.dest_strides,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out if split == 1 else sum_splits(dest, out)
+    return launch.finish()

@@ -16,6 +16,7 @@ tensors to ``(q, scales, zeros)`` and :meth:`Int4LinearMethod.finish` packs the 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +65,12 @@ def unpack_cols(p: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL) -> torch.T
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The kernel layout -> ``W^T [K, N]`` in the scales' dtype (the reference the kernel is held to)."""
-    q = unpack_rows(qweight).to(scales.dtype)
-    s = scales.repeat_interleave(group_size, dim=0)
-    z = zeros.repeat_interleave(group_size, dim=0)
-    return (q - z) * s
+    """The kernel layout -> ``W^T [K, N]`` in the scales' dtype, computed in float32 (the reference the
+    Triton kernels are held to: ``int4_triton.dequantize_int4_triton`` gives the same bits)."""
+    q = unpack_rows(qweight).float()
+    s = scales.float().repeat_interleave(group_size, dim=0)
+    z = zeros.float().repeat_interleave(group_size, dim=0)
+    return ((q - z) * s).to(scales.dtype)
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,15 +108,21 @@ class Int4LinearMethod(LinearMethod):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x.is_cuda:
-            from kvforge.plugins.quantization.int4_triton import w4a16_gemm
-
-            y = w4a16_gemm(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size)
+            y = _w4a16_gemm()(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size)
         else:  # the reference: dequantized once (float32, kept: the CPU path is for correctness, not memory)
             if getattr(layer, "reference_weight", None) is None:
                 layer.reference_weight = dequantize(layer.qweight, layer.scales.float(), layer.zeros.float(),
                                                     layer.group_size)
             y = (x2.float() @ layer.reference_weight).to(x.dtype)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+@functools.cache
+def _w4a16_gemm():
+    """The Triton GEMM, imported once (its module imports triton, and this one)."""
+    from kvforge.plugins.quantization.int4_triton import w4a16_gemm
+
+    return w4a16_gemm
 
 
 def check_group_size(field: str, group_size: int) -> None:

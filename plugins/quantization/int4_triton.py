@@ -31,16 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.plugins.quantization.triton_gemm import (
-    GemmConfig,
-    choose_split_k,
-    k_per_split,
-    kernels,
-    num_sms,
-    pick_config,
-    sum_splits,
-    uses_triton,
-)
+# the torch reference (and the CPU path): the layout's own dequantization, in float32
+from kvforge.plugins.quantization.int4 import dequantize as dequantize_int4
+from kvforge.plugins.quantization.triton_gemm import GemmConfig, SplitK, kernels, pick_config, uses_triton
 
 #: from this many tokens on, dequantize + torch.matmul. Measured (H100, the four Llama-3-8B layers):
 #: the fused kernel is faster at M = 128 on all four, dequantize + matmul at M = 256 on all four
@@ -63,24 +56,6 @@ INT4_CONFIGS: dict[int, GemmConfig] = {
 }
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# ---- reference --------------------------------------------------------------------------------------
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 ``[K // 8, N]`` -> the 4-bit values ``q`` as int32 ``[K, N]`` (0..15)."""
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)  # [8]: bit offset of q[8r + j]
-    q = (qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [K // 8, 8, N]
-    return q.reshape(-1, qweight.shape[1])
-
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    """The weight ``w [K, N]`` in ``scales``' dtype (the layout in the module docstring)."""
-    q = unpack_int4(qweight)
-    s = scales.float().repeat_interleave(group_size, dim=0)  # [K, N]
-    z = zeros.float().repeat_interleave(group_size, dim=0)
-    return ((q.float() - z) * s).to(scales.dtype)
 
 
 # ---- launchers --------------------------------------------------------------------------------------
@@ -151,19 +126,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    triton, kern = kernels()
+    _, kern = kernels()
     cfg = config or pick_config(INT4_CONFIGS, m)
     block_k = _block_k(cfg.block_k, group_size, k)
-    grid_mn = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    split = cfg.split_k or choose_split_k(grid_mn[0] * grid_mn[1], k, num_sms(x.device), PROGRAMS_PER_SM)
-    k_split, split = k_per_split(k, split, block_k)
-    # with a split: fp32 partial products [split, M, N], summed into out by sum_splits
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    kern.w4a16_kernel[(*grid_mn, split)](
-        x, qweight, scales, zeros, dest, m, n, k, group_size, k_split,
-        *x.stride(), *qweight.stride(), *scales.stride(), *zeros.stride(),
-        dest.stride(-2), dest.stride(-1), dest.stride(0) if split > 1 else 0,
+    launch = SplitK.plan(out, k, cfg, block_k, PROGRAMS_PER_SM)
+    kern.w4a16_kernel[launch.grid](
+        x, qweight, scales, zeros, launch.dest, m, n, k, group_size, launch.k_split,
+        *x.stride(), *qweight.stride(), *scales.stride(), *zeros.stride(), *launch.dest_strides,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tf32 has 10 bits)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out if split == 1 else sum_splits(dest, out)
+    return launch.finish()

@@ -115,6 +115,36 @@ def kernels():
     return _triton()
 
 
+@dataclass(frozen=True)
+class SplitK:
+    """One GEMM launch split along K: its grid, the K each split covers, and where the kernel writes
+    (``out`` itself, or float32 partials ``[split, M, N]`` that :meth:`finish` sums into ``out``)."""
+
+    grid: tuple[int, int, int]
+    k_split: int
+    dest: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def plan(cls, out: torch.Tensor, k: int, cfg: GemmConfig, block_k: int, programs_per_sm: int) -> "SplitK":
+        triton, _ = _triton()
+        m, n = out.shape
+        grid_mn = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+        split = cfg.split_k or choose_split_k(grid_mn[0] * grid_mn[1], k, num_sms(out.device), programs_per_sm)
+        k_split, split = k_per_split(k, split, block_k)
+        dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+        return cls((*grid_mn, split), k_split, dest, out)
+
+    @property
+    def dest_strides(self) -> tuple[int, int, int]:
+        """(row, column, split) strides of ``dest`` as the kernels take them."""
+        split = self.grid[2] > 1
+        return self.dest.stride(-2), self.dest.stride(-1), self.dest.stride(0) if split else 0
+
+    def finish(self) -> torch.Tensor:
+        return self.out if self.dest is self.out else sum_splits(self.dest, self.out)
+
+
 def sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[M, N] = partials[split, M, N].sum(0)`` in ``out``'s dtype (both contiguous)."""
     triton, kern = _triton()
