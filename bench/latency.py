@@ -62,7 +62,7 @@ def latency_row(engine: str, latencies: list[float], prefills: list[float], work
             "latency_mean_s": sum(latencies) / len(latencies), "latency_p50_s": p50,
             "latency_p99_s": percentile(latencies, 99), "prefill_s": prefill, "decode_step_s": step,
             "decode_floor_s": floor, "floor_ratio": step / floor if step and floor else None,
-            "weight_bytes": step_weight_bytes(mc, itemsize),
+            "weight_bytes": step_weight_bytes(mc, itemsize, len(workload)),
             "kv_bytes_per_step": len(workload) * avg_ctx * kv_bytes_per_token(mc, itemsize)}
 
 

@@ -109,27 +109,61 @@ def summarize(values: Iterable[float], scale: float = 1.0) -> dict[str, float] |
 
 
 # -- the model's shape ----------------------------------------------------------------------------------
-def layer_params(mc: Any) -> int:
-    """Matmul weights of every decoder layer of a Llama-family ``ModelConfig`` (norms left out)."""
-    h, inter = mc.hidden_size, mc.intermediate_size
+def mlp_shape(mc: Any) -> tuple[int, int, int, int]:
+    """(experts, experts per token, intermediate size per expert, shared-expert intermediate size) of a
+    layer's MLP: (1, 1, intermediate_size, 0) for a dense model."""
+    hf = getattr(mc, "hf_config", None) or {}
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts:
+        return 1, 1, mc.intermediate_size, 0
+    return (experts, hf["num_experts_per_tok"], hf.get("moe_intermediate_size") or mc.intermediate_size,
+            hf.get("shared_expert_intermediate_size") or 0)
+
+
+def _attn_params(mc: Any) -> int:
     q = mc.num_attention_heads * mc.head_dim
     kv = mc.num_key_value_heads * mc.head_dim
-    return mc.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    return mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size
+
+
+def experts_touched(mc: Any, tokens: float | None) -> float:
+    """Experts a step of ``tokens`` tokens reads per layer, expected under uniform routing (random
+    weights route about uniformly): E * (1 - (1 - k/E)^tokens); all of them when ``tokens`` is None."""
+    experts, k, _, _ = mlp_shape(mc)
+    if tokens is None or experts == 1:
+        return float(experts)
+    return experts * (1 - (1 - k / experts) ** tokens)
+
+
+def layer_params(mc: Any, experts: float | None = None) -> float:
+    """Matmul weights of every decoder layer of a ``ModelConfig`` (norms and routers left out); of an
+    MoE layer, ``experts`` of its experts (default: all it stores)."""
+    n, k, inter, shared = mlp_shape(mc)
+    per_expert = 3 * mc.hidden_size * inter
+    mlp = (n if experts is None else experts) * per_expert + 3 * mc.hidden_size * shared
+    return mc.num_hidden_layers * (_attn_params(mc) + mlp)
+
+
+def active_layer_params(mc: Any) -> float:
+    """The layer weights one token multiplies with (its k experts of each MoE layer): its FLOPs / 2."""
+    _, k, _, _ = mlp_shape(mc)
+    return layer_params(mc, experts=k)
 
 
 def lm_head_params(mc: Any) -> int:
     return mc.vocab_size * mc.hidden_size
 
 
-def param_count(mc: Any) -> int:
+def param_count(mc: Any) -> float:
     """Every weight the model stores: the layers, the embedding table and, if untied, the LM head."""
     return layer_params(mc) + lm_head_params(mc) * (1 if mc.tie_word_embeddings else 2)
 
 
-def step_weight_bytes(mc: Any, itemsize: int | Precision) -> float:
-    """Bytes of weights one forward step streams: the layers' matrices and the LM head."""
+def step_weight_bytes(mc: Any, itemsize: int | Precision, tokens: float | None = None) -> float:
+    """Bytes of weights one forward step of ``tokens`` tokens streams: the layers' matrices (an MoE
+    layer's experts that its tokens use, :func:`experts_touched`; None: all) and the LM head."""
     p = _precision(itemsize)
-    return layer_params(mc) * p.layer_bytes + lm_head_params(mc) * p.head_bytes
+    return layer_params(mc, experts_touched(mc, tokens)) * p.layer_bytes + lm_head_params(mc) * p.head_bytes
 
 
 def kv_bytes_per_token(mc: Any, itemsize: int | Precision) -> int:
@@ -139,7 +173,7 @@ def kv_bytes_per_token(mc: Any, itemsize: int | Precision) -> int:
 def matmul_seconds(mc: Any, itemsize: int | Precision, tokens: float, head_tokens: float, flops: float) -> float:
     """Seconds of matmul FLOPs: ``tokens`` through every layer, ``head_tokens`` through the LM head."""
     p = _precision(itemsize)
-    return 2 * (layer_params(mc) * tokens / p.matmul_speedup + lm_head_params(mc) * head_tokens) / flops
+    return 2 * (active_layer_params(mc) * tokens / p.matmul_speedup + lm_head_params(mc) * head_tokens) / flops
 
 
 def attention_flops(mc: Any, pairs: float) -> float:
@@ -153,7 +187,7 @@ def decode_step_floor_s(mc: Any, itemsize: int | Precision, batch: int, context_
     """Seconds a decode step of ``batch`` sequences needs at least, whose contexts (keys each new token
     attends to, itself included) add up to ``context_sum``: the matmuls, then attention, each at
     the slower of its two ceilings."""
-    matmuls = max(step_weight_bytes(mc, itemsize) / bandwidth, matmul_seconds(mc, itemsize, batch, batch, flops))
+    matmuls = max(step_weight_bytes(mc, itemsize, batch) / bandwidth, matmul_seconds(mc, itemsize, batch, batch, flops))
     attention = max(context_sum * kv_bytes_per_token(mc, itemsize) / bandwidth,
                     attention_flops(mc, context_sum) / flops)
     return matmuls + attention

@@ -42,6 +42,50 @@ class AttentionCapabilities:
     # no host buffer that a queued copy of the previous step could still be reading
     supports_async_scheduling: bool = True
     min_compute_capability: tuple[int, int] | None = None
+    # per-layer attention variants it implements (:class:`AttentionLayer`); a model whose layers need
+    # one the backend lacks is refused by ``validate(features=...)`` and skipped by ``auto``
+    sliding_window: bool = False
+    logits_soft_cap: bool = False
+    attention_sinks: bool = False
+
+
+#: the per-layer variants a model can need, by the capability field that grants each
+ATTENTION_FEATURES = ("sliding_window", "logits_soft_cap", "attention_sinks")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionLayer:
+    """What one layer's attention needs beyond the backend-wide shape, fixed when the model is built
+    (:meth:`AttentionBackend.layer`) and passed to every :meth:`AttentionBackend.forward` of that layer.
+
+    - ``sliding_window``: a query at position ``p`` sees keys ``p - window + 1 .. p`` (the last
+      ``window`` positions, itself included: Hugging Face's and FlashAttention's ``(window - 1, 0)``);
+      None: every earlier key.
+    - ``logits_soft_cap``: scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2).
+    - ``sinks``: [num_heads of this rank] float32 logits, one per query head, that join each softmax's
+      denominator and add nothing to the output (gpt-oss): ``p_j = exp(s_j) / (exp(sink) + sum exp(s))``.
+    """
+
+    index: int  # the model's layer index
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The capability fields this layer needs."""
+        return frozenset(f for f, on in (("sliding_window", self.sliding_window is not None),
+                                         ("logits_soft_cap", self.logits_soft_cap is not None),
+                                         ("attention_sinks", self.sinks is not None)) if on)
+
+    @property
+    def plan_key(self) -> tuple[int | None, float | None]:
+        """Layers with the same key share a backend's per-step plan (FlashInfer plans per window and cap)."""
+        return self.sliding_window, self.logits_soft_cap
+
+
+#: a layer with plain global attention (the default of :meth:`AttentionBackend.forward`)
+PLAIN_LAYER = AttentionLayer(-1)
 
 
 @dataclass
@@ -125,6 +169,32 @@ class AttentionBackend(ABC):
         # NOTE: forward gets a layer's cache, not its index (one backend serves every layer), so an FP8
         # cache finds its layer's scales by its data pointer, recorded by allocate_kv_cache
         self._cache_scales: dict[int, KVScales] = {}  # data_ptr of each allocated layer cache -> its layer's
+        #: every layer built over this backend (:meth:`layer`), by model layer index
+        self.layers: dict[int, AttentionLayer] = {}
+
+    def layer(self, index: int, *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+              sinks: torch.Tensor | None = None) -> AttentionLayer:
+        """Declare model layer ``index``'s attention (called by the model while it is built); the
+        returned spec goes to each of that layer's ``forward`` calls. ``ValueError`` when this
+        backend lacks a variant the layer needs."""
+        spec = AttentionLayer(index, sliding_window, logits_soft_cap, sinks)
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"layer {index}: sliding_window must be a positive integer, got {sliding_window!r}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"layer {index}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+        if sinks is not None and tuple(sinks.shape) != (self.num_heads,):
+            raise ValueError(f"layer {index}: sinks must have shape [{self.num_heads}], got {tuple(sinks.shape)}")
+        missing = [f for f in sorted(spec.features) if not getattr(self.capabilities, f)]
+        if missing:
+            raise ValueError(f"attention backend {self.name!r} cannot run layer {index}: no "
+                             f"{', '.join(m.replace('_', ' ') for m in missing)} support")
+        self.layers[index] = spec
+        return spec
+
+    @property
+    def plan_keys(self) -> list[tuple[int | None, float | None]]:
+        """The distinct :attr:`AttentionLayer.plan_key` of the layers built (one plain key if none)."""
+        return list(dict.fromkeys(s.plan_key for s in self.layers.values())) or [(None, None)]
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -133,9 +203,11 @@ class AttentionBackend(ABC):
 
     @classmethod
     def validate(cls, *, device: torch.device | str, dtype: torch.dtype, head_size: int,
-                 block_size: int, kv_cache_dtype: torch.dtype | None = None) -> list[str]:
+                 block_size: int, kv_cache_dtype: torch.dtype | None = None,
+                 features: frozenset[str] | tuple[str, ...] = ()) -> list[str]:
         """Every reason this backend refuses the given setup; an empty list means it accepts.
-        ``kv_cache_dtype``: the cache's element type, None for the model dtype."""
+        ``kv_cache_dtype``: the cache's element type, None for the model dtype; ``features``: the
+        per-layer variants the model needs (:data:`ATTENTION_FEATURES`)."""
         caps = cls.capabilities
         device = torch.device(device)
         reasons = list(cls.unavailable_reasons())
@@ -155,6 +227,11 @@ class AttentionBackend(ABC):
             cc = torch.cuda.get_device_capability(device)
             if cc < caps.min_compute_capability:
                 reasons.append(f"compute capability {cc} below {caps.min_compute_capability}")
+        for feature in sorted(features):
+            if feature not in ATTENTION_FEATURES:
+                raise ValueError(f"unknown attention feature {feature!r}; known: {', '.join(ATTENTION_FEATURES)}")
+            if not getattr(caps, feature):
+                reasons.append(f"no {feature.replace('_', ' ')} support (the model's layers need it)")
         return reasons
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -249,12 +326,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER) -> torch.Tensor:
         """Write the new K/V into ``kv_cache`` at ``meta.slot_mapping`` and return attention output.
         An FP8 cache (``fp8_kv``) stores and reads them with ``layer_kv_scales(kv_cache)``.
 
         q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
-        Each query token attends causally to its sequence's cached prefix and the new tokens before it.
+        Each query token attends causally to its sequence's cached prefix and the new tokens before it,
+        as ``layer`` (from :meth:`layer`; default plain global attention) says: within its sliding window, soft-capped, with sinks.
+        Keys outside a sliding window may sit in blocks the KV manager gave back: their block-table
+        entries are 0 and must not change the output (skip them or mask them).
         Returns [num_tokens, num_heads, head_size] in q's dtype.
 
         NOTE: all of the step's new K/V must be in the cache before any token reads it: a sequence

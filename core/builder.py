@@ -44,12 +44,13 @@ def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **k
 
 
 def select_attention_backend(pm: PluginManager, name: str, *, device: torch.device, dtype: torch.dtype,
-                             head_size: int, block_size: int,
-                             kv_cache_dtype: torch.dtype | None = None) -> tuple[str, type]:
+                             head_size: int, block_size: int, kv_cache_dtype: torch.dtype | None = None,
+                             features: frozenset[str] = frozenset()) -> tuple[str, type]:
     """The backend (name, class) for ``name``; ``auto`` picks the best one that accepts this setup
-    (``kv_cache_dtype``: the KV cache's element type, None for the model dtype)."""
+    (``kv_cache_dtype``: the KV cache's element type, None for the model dtype; ``features``: the
+    per-layer attention variants the model needs, ``ModelConfig.attention_features``)."""
     setup = dict(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
-                 kv_cache_dtype=kv_cache_dtype)
+                 kv_cache_dtype=kv_cache_dtype, features=features)
     if name != "auto":
         cls = pm.get("attention_backend", name)
         reasons = cls.validate(**setup)
@@ -72,5 +73,6 @@ def select_attention_backend(pm: PluginManager, name: str, *, device: torch.devi
             return candidate, cls
         refused.append(f"{candidate}: {'; '.join(reasons)}")
     kv = f" kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype not in (None, dtype) else ""
+    needs = f" features={','.join(sorted(features))}" if features else ""
     raise ValueError(f"no attention backend accepts device={device.type} dtype={dtype}{kv} head_size={head_size} "
-                     f"block_size={block_size}: {' | '.join(refused) or 'none registered'}")
+                     f"block_size={block_size}{needs}: {' | '.join(refused) or 'none registered'}")

@@ -104,6 +104,33 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvforge.model import capabilities_of
+    from kvforge.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    rows = []
+    for name in pm.names("model"):
+        row: dict[str, Any] = {"architecture": name, "plugin": pm.registries["model"].plugin_of(name)}
+        try:
+            cls = pm.get("model", name)
+        except ImportError as exc:  # a plugin's model whose dependencies are missing
+            rows.append({**row, "error": str(exc)})
+            continue
+        rows.append({**row, "class": f"{cls.__module__}:{cls.__qualname__}", **capabilities_of(cls).as_dict()})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    flags = ("sliding_window", "moe", "tensor_parallel", "pipeline_parallel", "quantization")
+    header = ["architecture", *flags, "notes"]
+    table = [header] + [[r["architecture"], *("yes" if r.get(f) else "-" for f in flags),
+                         r.get("notes", r.get("error", ""))] for r in rows]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    for line in table:
+        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge LLM inference engine")
     parser.add_argument("--log-level", default=None, help="default: INFO for serve, WARNING otherwise")
@@ -122,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list discovered plugins as JSON")
     plugins.set_defaults(func=cmd_plugins)
+
+    models = sub.add_parser("models", help="list the registered model architectures and their capabilities")
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.set_defaults(func=cmd_models)
 
     # More subcommands (``serve``, ``bench``) come from the ``kvforge.cli`` entry-point group, so that
     # core never imports the server: each entry point is a function taking the subparsers object.

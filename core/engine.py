@@ -68,6 +68,15 @@ class LLMEngine:
             raise
         pm.hook.engine_created(engine=self)
 
+    def _kv_sliding_window(self, mc: Any) -> int | None:
+        """The window the KV manager may free blocks behind: the model's, when every layer has one and
+        so does a draft model that shares the block ids."""
+        window = mc.kv_sliding_window
+        draft = getattr(self.spec.drafter, "model_config", None) if self.spec is not None else None
+        if window is not None and draft is not None:
+            window = None if draft.kv_sliding_window is None else max(window, draft.kv_sliding_window)
+        return window
+
     def _build_executor(self, pm: Any, config: EngineConfig, mc: Any) -> Executor:
         """The executor named by ``distributed_executor_backend`` (default: vLLM's rule), with its ranks built."""
         spec = WorkerSpec(config, self.source, mc, config.tensor_parallel_size, config.pipeline_parallel_size)
@@ -97,7 +106,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings})")
         max_len = config.max_model_len or mc.max_position_embeddings
-        max_len = _check_sliding_window(mc.sliding_window, max_len, config.max_model_len is not None)
         num_blocks = min(executor.collective_rpc(  # every rank holds every block: the fewest any can hold
             "determine_num_blocks", num_blocks_override=config.num_gpu_blocks_override,
             kv_cache_memory_gib=config.kv_cache_memory_gib, gpu_memory_utilization=config.gpu_memory_utilization,
@@ -133,7 +141,7 @@ class LLMEngine:
         num_cpu_blocks = min(executor.collective_rpc("initialize_swap_space", config.swap_space))
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                  num_cpu_blocks=num_cpu_blocks)
+                                  num_cpu_blocks=num_cpu_blocks, sliding_window=self._kv_sliding_window(mc))
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)
@@ -446,16 +454,3 @@ class LLMEngine:
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
                 "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None,
                 "rank_batch_requests": list(self.rank_batch_requests)}
-
-
-def _check_sliding_window(window: int | None, max_len: int, explicit: bool) -> int:
-    """kvforge's attention is global: a sliding-window model is right only while no sequence is longer
-    than its window. Cap ``max_model_len`` there (or refuse an explicit larger one): never wrong output."""
-    if window is None or max_len <= window:
-        return max_len
-    if explicit:
-        raise ValueError(f"max_model_len={max_len} exceeds the model's sliding window ({window} tokens); "
-                         f"kvforge does not implement sliding-window attention yet, so set max_model_len <= {window}")
-    logger.warning("max_model_len capped at the model's sliding window: %d tokens (sliding-window attention "
-                   "is not implemented yet)", window)
-    return window

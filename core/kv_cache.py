@@ -3,6 +3,12 @@
 The manager is bookkeeping only; the cache tensors belong to the model runner. A block holds
 ``block_size`` consecutive tokens of one sequence; a request's block table maps its logical block
 ``i`` (tokens ``i*block_size .. (i+1)*block_size-1``) to a physical block id.
+
+Sliding windows: when every layer of the model attends only to its last ``sliding_window`` positions,
+a block wholly behind the window of the next token to compute is never read again. A manager given
+``sliding_window`` may give such blocks back while the request runs; their table entries become
+:data:`NULL_BLOCK` (the workers read them as block 0, and attention skips or masks keys outside a
+window), so a long sequence holds about ``sliding_window / block_size + 1`` blocks (docs/kv_cache.md).
 """
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ def hash_block(parent: Hashable | None, tokens: Sequence[int], extra: Hashable |
     return hash((-1 if parent is None else parent, tuple(tokens), 0 if extra is None else extra))
 
 
+#: a block-table entry given back because it left the sliding window (never read again)
+NULL_BLOCK = -1
+
+
 class KVCacheManager(ABC):
     """Allocates blocks on demand and frees them at once; shares them by prefix hash and by fork.
 
@@ -60,17 +70,22 @@ class KVCacheManager(ABC):
     name: str = ""
 
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0, **options: Any):
+                 num_cpu_blocks: int = 0, sliding_window: int | None = None, **options: Any):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cpu_blocks = num_cpu_blocks
+        #: every layer attends to at most this many last positions (None: some layer sees everything);
+        #: a manager may free blocks behind it (:data:`NULL_BLOCK`), or keep them, which is correct too
+        self.sliding_window = sliding_window
 
     @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -104,7 +119,8 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def block_table(self, request_id: str) -> list[int]:
-        """Physical block ids of the request, in logical order."""
+        """Physical block ids of the request, in logical order (:data:`NULL_BLOCK` for blocks given
+        back behind the sliding window)."""
 
     @abstractmethod
     def take_copies(self) -> list[tuple[int, int]]:

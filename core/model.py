@@ -1,7 +1,8 @@
 """The model interface every registered model class follows (see ``register_models``)."""
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -9,12 +10,39 @@ from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.model_config import ModelConfig
 
 
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a model plugin supports, as data (``kvforge models`` lists it; docs/models.md)."""
+
+    sliding_window: bool = False  # honours config.json's sliding_window / layer_types
+    moe: bool = False  # mixture-of-experts layers (kvforge.layers.moe.FusedMoE)
+    tensor_parallel: bool = True  # built from kvforge.layers' parallel layers
+    pipeline_parallel: bool = True  # builds one stage of its layers (parallel_state.current_stage())
+    quantization: bool = True  # its linear layers take a quantization method (MoE experts: see docs)
+    notes: str = ""  # anything a user should know (attention sinks, what is refused)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: the capabilities of a model class that declares none
+DEFAULT_CAPABILITIES = ModelCapabilities(tensor_parallel=False, pipeline_parallel=False, quantization=False)
+
+
+def capabilities_of(cls: type) -> ModelCapabilities:
+    """``cls.capabilities`` (a :class:`ModelCapabilities`), or the conservative default."""
+    caps = getattr(cls, "capabilities", None)
+    return caps if isinstance(caps, ModelCapabilities) else DEFAULT_CAPABILITIES
+
+
 @runtime_checkable
 class CausalLM(Protocol):
     """A decoder-only language model over a flattened (varlen) batch, with paged attention.
 
     Constructed as ``cls(config, attn)`` on the target device under the target default dtype; the
-    one attention backend object serves every layer.
+    one attention backend object serves every layer, and each layer declares its attention variant
+    (sliding window, soft cap, sinks) with ``attn.layer(index, ...)`` while it is built and passes the
+    returned spec to ``attn.forward``. A class may set ``capabilities`` (:class:`ModelCapabilities`).
     """
 
     def __init__(self, config: ModelConfig, attn: AttentionBackend) -> None: ...

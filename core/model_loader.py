@@ -3,7 +3,7 @@
 ``resolve_model_source`` turns the user's ``model`` option into a :class:`ModelSource` (a Hugging Face
 directory, a GGUF file, or a dummy architecture), ``load_model_config`` reads its architecture,
 ``iter_weights`` streams its tensors under Hugging Face names and ``load_model`` builds the registered
-model class for the architecture and fills it.
+model class for the architecture and fills it. A GGUF file is read by :class:`GGUFFile`, in one pass.
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import importlib.util
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from kvforge.model_config import PRESETS, ModelConfig
@@ -34,10 +36,21 @@ GGUF_BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+#: Per model type, where llama.cpp's names mean other modules: Gemma's ``ffn_norm`` is the norm before
+#: the MLP (Llama's post_attention_layernorm), and its two post-norms have names of their own.
+GGUF_BLOCK_NAMES_BY_TYPE: dict[str, dict[str, str]] = {
+    "gemma3_text": {**GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
 GGUF_SKIPPED = ("rope_freqs.weight",)  # read into ModelConfig.rope_scaling instead
+#: Added to every ``*norm.weight`` by llama.cpp's converter (Gemma3Model.norm_shift: the GGUF holds the
+#: multiplier ``1 + w`` of Gemma's RMSNorm); subtracted again on loading, as transformers does.
+GGUF_NORM_SHIFT: dict[str, float] = {"gemma3_text": 1.0}
+#: Model types whose Q/K rows llama.cpp permutes (its LlamaModel converter; qwen2/qwen3/gemma3 are stored as in HF).
+GGUF_PERMUTED_QK = ("llama",)
 
 
 @dataclass
@@ -121,7 +134,8 @@ def load_model_config(src: ModelSource) -> ModelConfig:
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor as ``(hf_name, tensor)``, on the CPU in the checkpoint's dtype
-    (GGUF: dequantized to float32, in HF ``[out, in]`` order with llama.cpp's Q/K permutation undone)."""
+    (GGUF: dequantized to float32, in HF ``[out, in]`` order with llama.cpp's Q/K permutation undone
+    and Gemma's norm weights shifted back by :data:`GGUF_NORM_SHIFT`)."""
     if src.kind == "dummy" or src.path is None:
         raise ValueError(f"model {src.name!r} is a dummy model and has no weights")
     if src.kind == "gguf":
@@ -144,17 +158,123 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str) -> Any:
-    import gguf  # parsing metadata of a 100 MB file takes seconds: share one reader per file
+def _gguf_reader(path: str) -> GGUFFile | Any:
+    """The file's metadata and tensors, one reader per file: a :class:`GGUFFile`, or for a file it does
+    not read (big-endian) a ``gguf.GGUFReader``, which has the same ``fields``/``tensors``."""
+    try:
+        return GGUFFile(path)
+    except _UnreadGGUF:
+        import gguf
 
-    return gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ValueError if unknown."""
+class _UnreadGGUF(Exception):
+    """A GGUF layout :class:`GGUFFile` leaves to ``gguf.GGUFReader``."""
+
+
+@dataclass
+class GGUFField:
+    """One metadata value of a :class:`GGUFFile`; ``contents()`` as ``gguf.ReaderField`` gives it."""
+
+    value: Any  # str, int, float, bool, list, or a numpy array for an array of numbers
+
+    def contents(self) -> Any:
+        return self.value.tolist() if isinstance(self.value, np.ndarray) else self.value
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a :class:`GGUFFile`, as ``gguf.ReaderTensor`` has it (what ``gguf.quants.dequantize`` reads)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost dimension first
+    # a view of the mapped file: [*reversed(shape)] of float/int types, else bytes [..., bytes per row]
+    data: np.ndarray
+
+
+class GGUFFile:
+    """The metadata (``fields``) and ``tensors`` of a little-endian GGUF v2/v3 file, read in one pass.
+
+    ``gguf.GGUFReader`` makes a numpy view of every element of every metadata array: 12 s for Gemma 3's
+    262,144-token vocabulary (tokens, scores and types), before any weight is read; this reads an array
+    of numbers as one view and an array of strings in one loop (a fraction of a second)."""
+
+    #: GGUFValueType -> struct format of a scalar (STRING = 8 and ARRAY = 9 are read apart)
+    SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    STRING, ARRAY = 8, 9
+    #: GGMLQuantizationType name -> numpy type of tensors stored element by element (others are blocks of bytes)
+    PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                   "I32": np.int32, "I64": np.int64}
+
+    def __init__(self, path: str):
+        import gguf
+        from gguf.quants import quant_shape_to_byte_shape
+
+        self.data = np.memmap(path, mode="r")
+        self._buf = memoryview(self.data)
+        self._pos = 0
+        magic, version = self._read("<I"), self._read("<I")
+        if magic != gguf.GGUF_MAGIC or version not in (2, 3):
+            raise _UnreadGGUF(f"{path}: magic {magic:#x}, version {version}")
+        n_tensors, n_fields = self._read("<Q"), self._read("<Q")
+        self.fields: dict[str, GGUFField] = {}
+        for _ in range(n_fields):
+            key = self._string()
+            self.fields[key] = GGUFField(self._value(self._read("<I")))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            shape = tuple(self._read("<Q") for _ in range(self._read("<I")))
+            infos.append((name, shape, self._read("<I"), self._read("<Q")))
+        alignment = self.fields.get("general.alignment", GGUFField(gguf.GGUF_DEFAULT_ALIGNMENT)).value
+        start = -(-self._pos // alignment) * alignment  # tensor data begins at the next aligned offset
+        self.tensors: list[GGUFTensor] = []
+        for name, shape, raw_type, offset in infos:
+            qtype = gguf.GGMLQuantizationType(raw_type)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            dims = tuple(reversed(shape))
+            n_bytes = int(np.prod(shape, dtype=np.int64)) * block_bytes // block
+            raw = self.data[start + offset:start + offset + n_bytes]
+            plain = self.PLAIN_TYPES.get(qtype.name)
+            data = raw.view(plain).reshape(dims) if plain is not None else raw.reshape(
+                quant_shape_to_byte_shape(dims, qtype))
+            self.tensors.append(GGUFTensor(name, qtype, shape, data))
+
+    def _read(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self._buf, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._read("<Q")
+        self._pos += n
+        return str(self._buf[self._pos - n:self._pos], "utf-8")
+
+    def _value(self, value_type: int) -> Any:
+        if value_type == self.STRING:
+            return self._string()
+        if value_type in self.SCALARS:
+            return self._read(self.SCALARS[value_type])
+        if value_type != self.ARRAY:
+            raise ValueError(f"GGUF metadata value type {value_type} is not one of the format's 13")
+        item_type, n = self._read("<I"), self._read("<Q")
+        if item_type in self.SCALARS:  # numbers: one view of the file
+            dtype = np.dtype(self.SCALARS[item_type])
+            values = np.frombuffer(self._buf, dtype, count=n, offset=self._pos)
+            self._pos += n * dtype.itemsize
+            return values
+        return [self._value(item_type) for _ in range(n)]
+
+
+def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (block names of ``model_type``,
+    :data:`GGUF_BLOCK_NAMES_BY_TYPE`, else :data:`GGUF_BLOCK_NAMES`); ValueError if unknown."""
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    block_names = GGUF_BLOCK_NAMES_BY_TYPE.get(model_type, GGUF_BLOCK_NAMES)
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face name mapping")
@@ -174,14 +294,17 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     reader = _gguf_reader(path)
     config = ModelConfig.from_gguf(reader)
-    # NOTE: only llama.cpp's "llama" converter permutes Q/K (qwen2/qwen3 files are stored as in HF).
-    permuted = config.model_type == "llama"
+    # NOTE: only llama.cpp's "llama" converter permutes Q/K (qwen2/qwen3/gemma3 files are stored as in HF).
+    permuted = config.model_type in GGUF_PERMUTED_QK
+    norm_shift = GGUF_NORM_SHIFT.get(config.model_type, 0.0)
     for t in reader.tensors:
         if t.name in GGUF_SKIPPED:
             continue
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, config.model_type)
         arr = dequantize(t.data, t.tensor_type)  # float32 [out, in] or [n]; F32 tensors are read-only mmap views
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if norm_shift and name.endswith("norm.weight"):  # every norm: q/k norms and the final one too
+            w = w - norm_shift
         if permuted and ".self_attn.q_proj." in name:
             w = unpermute_qk(w, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:

@@ -72,6 +72,29 @@ class QuantizationMethod(ABC):
         """The method for one linear layer holding the checkpoint modules ``names`` (None: leave it in
         the model dtype)."""
 
+    def moe_method(self, layer: nn.Module) -> MoEMethod | None:
+        """The method for one mixture-of-experts layer (``kvforge.layers.moe.FusedMoE``), asked while the
+        layer is built (None: leave its experts in the model dtype). Default: a ``ValueError``, so a
+        method that knows nothing of experts never leaves them silently unquantized."""
+        raise ValueError(f"quantization {self.name!r} does not support mixture-of-experts layers "
+                         "(docs/quantization.md#mixture-of-experts); serve this model unquantized")
+
+
+class MoEMethod(ABC):
+    """How one quantization format stores and applies a ``FusedMoE`` layer's experts."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module) -> None:
+        """Replace the layer's ``w13`` / ``w2`` (model dtype) with the format's parameters."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027  (optional)
+        """Convert the loaded tensors once (repack, fold scales)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output [T, H] for x [T, H] routed as given (before the tensor-parallel sum)."""
+
 
 def registered(pm: Any) -> dict[str, type]:
     """The registered methods that import (one that fails cannot load a checkpoint either)."""

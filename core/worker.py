@@ -92,10 +92,10 @@ class Worker:
         kv_cache_dtype = config.torch_kv_cache_dtype
         self.attn_name, self.attn_cls = select_attention_backend(
             pm, config.attention_backend, device=self.device, dtype=dtype, head_size=mc.head_dim,
-            block_size=config.block_size, kv_cache_dtype=kv_cache_dtype)
+            block_size=config.block_size, kv_cache_dtype=kv_cache_dtype, features=mc.attention_features)
         shard = parallel_state.head_shard(mc.num_attention_heads, mc.num_key_value_heads, self.group.size, self.group.rank)
         self.attn = component(pm, "attention_backend", self.attn_name, config, num_heads=shard.num_heads,
-                              num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.head_dim ** -0.5,
+                              num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.attention_scale,
                               block_size=config.block_size, dtype=dtype, device=self.device,
                               kv_cache_dtype=kv_cache_dtype)
         self.quant = None  # kvforge.quantization.QuantizationMethod
@@ -116,6 +116,8 @@ class Worker:
         self.swap_space: CPUSwapSpace | None = None
         self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
         self.tables: dict[str, list[int]] = {}  # the persistent batch: request -> block table
+        # the KV manager may give back blocks behind the window (kvforge.kv_cache.NULL_BLOCK entries)
+        self.sliding_window_kv = mc.kv_sliding_window is not None
         self._profiler: Any = None  # a torch.profiler trace between start_profile and stop_profile
 
     def ready(self) -> dict[str, Any]:
@@ -400,6 +402,8 @@ class Worker:
         block_tables = buf.block_tables(rows, width)
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
+        if self.sliding_window_kv:  # blocks given back behind the window (NULL_BLOCK) read as block 0
+            np.maximum(block_tables, 0, out=block_tables)
         slots = b["slot_mapping"][:num_rows]
         seq_of_token = np.repeat(np.arange(n), q_lens)
         slots[:total] = block_tables[seq_of_token, positions[:total] // bs].astype(np.int64) * bs + positions[:total] % bs

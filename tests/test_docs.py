@@ -57,3 +57,30 @@ def test_configuration_md_lists_every_engine_flag():
     table = text[start:text.index("\n\n", start)]
     documented = set(re.findall(r"`(--[a-z-]+)", table))
     assert documented == flags, (f"missing {sorted(flags - documented)}, not flags {sorted(documented - flags)}")
+
+
+def test_models_md_lists_every_registered_architecture_with_its_capabilities():
+    from kvforge.model import capabilities_of
+    from kvforge.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    builtin = {n for n in pm.names("model") if pm.registries["model"].plugin_of(n) == "models"}
+    lines = (DOCS / "models.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- models"))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    header, body = rows[0], rows[2:]
+    documented = {r[0].strip("`"): dict(zip(header, r)) for r in body}
+    assert set(documented) == builtin, (f"docs/models.md is stale: missing {sorted(builtin - set(documented))}, "
+                                        f"not registered {sorted(set(documented) - builtin)}")
+    columns = {"sliding window": "sliding_window", "MoE": "moe", "tensor parallel": "tensor_parallel",
+               "pipeline parallel": "pipeline_parallel", "quantization": "quantization"}
+    root = DOCS.parent
+    for name, row in documented.items():
+        caps = capabilities_of(pm.get("model", name)).as_dict()
+        for column, field in columns.items():
+            assert (row[column] == "yes") == caps[field], f"{name}: {column} says {row[column]!r}, the class {caps[field]}"
+        assert (root / row["test"].strip("`")).is_file(), f"{name}: no test file {row['test']}"

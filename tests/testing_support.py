@@ -31,3 +31,23 @@ def random_layout(specs, block_size: int, rng: np.random.Generator, num_blocks: 
     return BatchLayout(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
                        seq_lens=np.array([p + q for p, q in specs], dtype=np.int32),
                        block_tables=bt, slot_mapping=np.concatenate(slots).astype(np.int64))
+
+
+# -- sliding windows: blocks the KV manager gave back (their table entries read as block 0) -------------
+def first_visible(specs, window: int | None) -> list[int]:
+    """The lowest position any query of each (cached prefix, new tokens) sequence sees: its first query
+    sits at the prefix and sees ``window`` positions back to it (0 without a window)."""
+    return [0 if window is None else max(0, prefix - window + 1) for prefix, _ in specs]
+
+
+def give_back_blocks(layout: BatchLayout, first: list[int], block_size: int) -> BatchLayout:
+    """``layout`` after the KV manager gave back every block wholly before each sequence's window
+    (``first``: from :func:`first_visible`): their block-table entries become 0. Block ids move up by one
+    first, so that block 0 is nobody's in this batch (the cache needs one more block) and the caller
+    chooses what it holds."""
+    used = np.arange(layout.block_tables.shape[1])[None, :] < -(-layout.seq_lens[:, None] // block_size)
+    tables = np.where(used, layout.block_tables + 1, 0).astype(np.int32)
+    for i, lo in enumerate(first):
+        tables[i, :lo // block_size] = 0
+    return BatchLayout(query_start_loc=layout.query_start_loc, seq_lens=layout.seq_lens, block_tables=tables,
+                       slot_mapping=layout.slot_mapping + block_size)

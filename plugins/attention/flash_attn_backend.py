@@ -35,6 +35,15 @@ a read of this cache.
 All three align ``causal=True`` bottom-right when a sequence has more keys than queries (FA2 onward:
 query ``i`` of ``q_len`` over ``k_len`` keys sees keys ``<= k_len - q_len + i``), which is exactly a
 chunk after a cached prefix, and a decode token seeing its whole context.
+
+Per-layer variants (:class:`~kvforge.attention.AttentionLayer`): a sliding window goes in as
+``window_size=(window - 1, 0)`` and a soft cap as ``softcap`` (all three: FA2 >= 2.6 takes both in its
+varlen call, FA3 in ``flash_attn_with_kvcache``, FA4 in its varlen call; a window skips the key tiles
+wholly before it, so the block-table entries given back there are never read). Sinks only with FA4:
+``learnable_sink`` ([num_heads] logits in natural-log units, not times ``softmax_scale``: flash-attn-4
+4.0.0b36, ``flash_attn/cute/softmax.py`` ``apply_learnable_sink``, folded in once after the key loop);
+FA2 and FA3 take none, so ``validate`` refuses a model with sinks unless FA4 is what runs, and
+:meth:`FlashAttnBackend.layer` refuses a sinks layer on FA2/FA3. A plain layer's call is unchanged.
 """
 from __future__ import annotations
 
@@ -45,7 +54,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+from kvforge.attention import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayer,
+    AttentionMetadata,
+    BatchLayout,
+)
 from kvforge.plugins.attention.kv_write import write_kv
 
 INSTALL_HINT = ("flash_attn is not installed: pip install flash-attn-4 (FlashAttention-4, Hopper/Blackwell) "
@@ -62,11 +78,12 @@ class Implementation:
     min_compute_capability: tuple[int, int]
     block_sizes: tuple[int, ...] | None = None  # None: any multiple of block_size_multiple
     block_size_multiple: int = 1
+    sinks: bool = False  # takes attention sinks (learnable_sink)
 
 
 IMPLEMENTATIONS = {  # preference order for "auto"
     "fa4": Implementation("flash_attn.cute", "flash_attn_varlen_func", (64, 128), (9, 0),
-                          block_sizes=(16, 32, 64, 128)),
+                          block_sizes=(16, 32, 64, 128), sinks=True),
     "fa3": Implementation("flash_attn_interface", "flash_attn_with_kvcache", (64, 128, 256), (9, 0),
                           block_sizes=(16, 32, 64, 128, 256)),
     "fa2": Implementation("flash_attn", "flash_attn_varlen_func", (64, 128, 256), (8, 0), block_size_multiple=256),
@@ -82,13 +99,16 @@ def load_function(impl: str) -> Callable[..., Any] | None:
         return None
 
 
-def implementation_reasons(impl: str, *, device: torch.device, head_size: int, block_size: int) -> list[str]:
+def implementation_reasons(impl: str, *, device: torch.device, head_size: int, block_size: int,
+                           features: frozenset[str] | tuple[str, ...] = ()) -> list[str]:
     """Why implementation ``impl`` refuses this setup (not installed, block size, head size, compute
-    capability); empty if it accepts."""
+    capability, a per-layer variant it lacks); empty if it accepts."""
     spec = IMPLEMENTATIONS[impl]
     if load_function(impl) is None:
         return [f"flash_attn {impl} is not installed ({spec.module}.{spec.function})"]
     reasons = []
+    if "attention_sinks" in features and not spec.sinks:
+        reasons.append(f"flash_attn {impl} takes no attention sinks (FA4's learnable_sink only)")
     if spec.block_sizes is not None and block_size not in spec.block_sizes:
         reasons.append(f"block size {block_size} not supported by flash_attn {impl}: not in {spec.block_sizes}")
     if block_size % spec.block_size_multiple:
@@ -105,15 +125,16 @@ def implementation_reasons(impl: str, *, device: torch.device, head_size: int, b
 
 
 def choose_implementation(implementation: str, *, device: torch.device | str, head_size: int,
-                          block_size: int) -> tuple[str | None, list[str]]:
+                          block_size: int, features: frozenset[str] | tuple[str, ...] = ()
+                          ) -> tuple[str | None, list[str]]:
     """``(name, [])`` for the implementation to use (``auto``: the first installed one that accepts),
-    or ``(None, reasons)`` when none does."""
+    or ``(None, reasons)`` when none does. ``features``: the per-layer variants the model needs."""
     names = [n for n in IMPLEMENTATIONS if load_function(n) is not None] if implementation == "auto" \
         else [implementation]
     reasons: list[str] = []
     for name in names:
         refused = implementation_reasons(name, device=torch.device(device), head_size=head_size,
-                                         block_size=block_size)
+                                         block_size=block_size, features=features)
         if not refused:
             return name, []
         reasons += refused
@@ -135,6 +156,10 @@ class FlashAttnBackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16),
         supports_cuda_graphs=True,
         min_compute_capability=(8, 0),
+        sliding_window=True,
+        logits_soft_cap=True,
+        # FA4 only: validate and layer() refuse sinks where FA2/FA3 would run
+        attention_sinks=True,
     )
 
     @dataclass
@@ -153,16 +178,17 @@ class FlashAttnBackend(AttentionBackend):
         return [] if any(load_function(n) is not None for n in IMPLEMENTATIONS) else [INSTALL_HINT]
 
     @classmethod
-    def validate(cls, *, device, dtype, head_size, block_size, kv_cache_dtype=None) -> list[str]:
-        """The base checks, then: some installed implementation accepts the block and head size."""
+    def validate(cls, *, device, dtype, head_size, block_size, kv_cache_dtype=None, features=()) -> list[str]:
+        """The base checks, then: some installed implementation accepts the block and head size (and
+        the sinks, if the model has them)."""
         reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
-                                   kv_cache_dtype=kv_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, features=features)
         reasons = [r + " (FlashAttention reads FP8 K/V only with an FP8 query: FA3, or FA4 on SM100)"
                    if r.startswith("kv_cache_dtype") else r for r in reasons]
         if INSTALL_HINT in reasons:
             return reasons
         return reasons + choose_implementation("auto", device=device, head_size=head_size,
-                                               block_size=block_size)[1]
+                                               block_size=block_size, features=features)[1]
 
     def __init__(self, *, implementation: str = "auto", **kwargs):
         impl, reasons = choose_implementation(implementation, device=kwargs["device"],
@@ -172,6 +198,14 @@ class FlashAttnBackend(AttentionBackend):
         super().__init__(**kwargs)
         self.implementation = impl
         self._fn = load_function(impl)
+
+    def layer(self, index: int, *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+              sinks: torch.Tensor | None = None) -> AttentionLayer:
+        """As :meth:`AttentionBackend.layer`; a layer with sinks needs FA4."""
+        if sinks is not None and not IMPLEMENTATIONS[self.implementation].sinks:
+            raise ValueError(f"attention backend 'flash_attn' cannot run layer {index}: no attention sinks "
+                             f"support in flash_attn {self.implementation} (FA4's learnable_sink only)")
+        return super().layer(index, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         meta = super().build_metadata(layout)
@@ -192,7 +226,7 @@ class FlashAttnBackend(AttentionBackend):
         if self.implementation == "fa2":
             meta.extra["cu_seqlens_k"].copy_(torch.from_numpy(cu_seqlens(layout.seq_lens)), non_blocking=True)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         n = meta.num_tokens
         q = q[:n]
@@ -200,16 +234,30 @@ class FlashAttnBackend(AttentionBackend):
         # padding) writes nothing
         write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
+        variant = self._variant_kwargs(layer)
         if self.implementation == "fa4":
             out = self._fn(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
                            page_table=meta.block_tables, max_seqlen_q=meta.max_query_len,
-                           max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=True)
+                           max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=True, **variant)
         elif self.implementation == "fa3":
             out = self._fn(q, k_cache, v_cache, cache_seqlens=meta.seq_lens, page_table=meta.block_tables,
                            cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
-                           softmax_scale=self.scale, causal=True)
+                           softmax_scale=self.scale, causal=True, **variant)
         else:
             out = self._fn(q, k_cache, v_cache, meta.query_start_loc, meta.extra["cu_seqlens_k"],
                            meta.max_query_len, meta.max_seq_len, softmax_scale=self.scale, causal=True,
-                           block_table=meta.block_tables)
+                           block_table=meta.block_tables, **variant)
         return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+
+    @staticmethod
+    def _variant_kwargs(layer: AttentionLayer) -> dict[str, Any]:
+        """The layer's window, soft cap and sinks as FlashAttention's keyword arguments (none for a
+        plain layer). window_size is (left, right) keys around the query, both inclusive."""
+        kw: dict[str, Any] = {}
+        if layer.sliding_window is not None:
+            kw["window_size"] = (layer.sliding_window - 1, 0)
+        if layer.logits_soft_cap is not None:
+            kw["softcap"] = layer.logits_soft_cap
+        if layer.sinks is not None:  # FA4 only (layer() refuses sinks elsewhere)
+            kw["learnable_sink"] = layer.sinks
+        return kw

@@ -28,6 +28,18 @@ each replay (it rewrites those buffers and the wrapper's device plan in place; i
 split-KV layout depends on the batch size only, so the captured grid stays valid). New K/V are written
 by kvforge's Triton ``reshape_and_cache``, which skips the padding rows' slot -1.
 
+Per-layer variants: FlashInfer fixes the sliding window (``window_left = window - 1``, the keys left of
+the query it still sees) and the soft cap (``logits_soft_cap``) when a wrapper is planned, so the backend
+keeps one set of wrappers per distinct :attr:`~kvforge.attention.AttentionLayer.plan_key` among the
+layers built, plans each set every step and runs a layer through its key's set (a model with one key
+plans and replays exactly as before). A window's plan leaves out the blocks wholly before the window
+(``window_skip_blocks``): FlashInfer aligns the causal mask and the window to the end of the context, so
+no score changes, the work stays bounded by the window, and the block-table entries given back there
+(0) are never handed to it. Sinks: not declared. What 0.7.2's ``run(sinks=)`` does depends on the
+kernel behind the wrapper: the CUDA-core decode this backend plans by default never receives them
+(decode.py leaves them out of that kernel's arguments: they would be dropped silently), and other
+paths refuse them or take them as a plan-time variant of another wrapper (cute-dsl's ``AttentionWithSink``).
+
 Async scheduling: ``plan()`` fills the wrapper's pinned host buffer and queues its copy to the
 device behind the running step. Before planning again, the backend waits on an event recorded after
 the previous plan (that copy runs as soon as the previous step's kernels end, which the engine has
@@ -37,34 +49,58 @@ waited for by then), so the buffer is never rewritten under a queued copy. Index
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+from kvforge.attention import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayer,
+    AttentionMetadata,
+    BatchLayout,
+)
 from kvforge.plugins.attention.kv_write import write_kv
 
 INSTALL_HINT = "flashinfer is not installed: pip install flashinfer-python"
 
 
 # -- host-side planning (pure numpy, tested on the CPU) -------------------------------------------
-def plan_paged_indices(seq_lens: np.ndarray, block_tables: np.ndarray,
-                       block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def plan_paged_indices(seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+                       skip_blocks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's CSR page table for sequences of ``seq_lens`` (each >= 1) tokens.
 
     Returns ``(indptr [n+1] int32, indices [indptr[-1]] int32, last_page_len [n] int32)``: sequence
-    ``i`` uses pages ``indices[indptr[i]:indptr[i+1]]`` (the first ``ceil(seq_len / block_size)``
-    entries of its block-table row), the last one holding ``last_page_len[i]`` tokens.
+    ``i`` uses pages ``indices[indptr[i]:indptr[i+1]]`` (entries ``skip_blocks[i]`` up to
+    ``ceil(seq_len / block_size)`` of its block-table row; ``skip_blocks`` None: from the first), the
+    last one holding ``last_page_len[i]`` tokens.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    num_pages = -(-seq_lens // block_size)
+    end = -(-seq_lens // block_size)
+    start = np.zeros_like(end) if skip_blocks is None else np.asarray(skip_blocks, dtype=np.int64)
     indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
-    np.cumsum(num_pages, out=indptr[1:])
-    # row-major boolean indexing concatenates each row's first num_pages[i] entries, in row order
-    used = np.arange(block_tables.shape[1])[None, :] < num_pages[:, None]
+    np.cumsum(end - start, out=indptr[1:])
+    # row-major boolean indexing concatenates each row's entries start[i]:end[i], in row order
+    cols = np.arange(block_tables.shape[1])[None, :]
+    used = (cols >= start[:, None]) & (cols < end[:, None])
     indices = np.ascontiguousarray(block_tables[used], dtype=np.int32)
     last_page_len = ((seq_lens - 1) % block_size + 1).astype(np.int32)
     return indptr, indices, last_page_len
+
+
+def window_skip_blocks(seq_lens: np.ndarray, query_lens: np.ndarray | int, window: int | None,
+                       block_size: int) -> np.ndarray | None:
+    """[n] int64: the leading blocks of each sequence wholly before its first query's sliding window (that
+    query sits at ``seq_len - q_len`` and sees keys from ``seq_len - q_len - window + 1``); None without
+    a window. FlashInfer sees the context from the first block kept on: query ``i`` of ``q_len`` over
+    ``kv_len`` keys sees keys ``kv_len - q_len + i - window_left .. kv_len - q_len + i``, the same keys
+    whichever whole blocks before them are left out."""
+    if window is None:
+        return None
+    first_visible = np.asarray(seq_lens, dtype=np.int64) - query_lens - window + 1
+    return np.maximum(first_visible, 0) // block_size
 
 
 def token_indices(query_start_loc: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -86,12 +122,13 @@ def as_slice(tokens: np.ndarray) -> slice | None:
 
 
 Tokens = slice | torch.Tensor  # a contiguous run of the flat batch, or [n] int64 device indices
+PlanKey = tuple[int | None, float | None]  # AttentionLayer.plan_key: (sliding window, logits soft cap)
 
 
 @dataclass
 class FlashInferPlan:
     """``meta.extra["flashinfer"]``: the flat-batch tokens each wrapper reads and writes this step
-    (None: no such sequences). The plans themselves live in the wrappers."""
+    (None: no such sequences), the same for every plan key. The plans themselves live in the wrappers."""
 
     step: int  # the backend's plan counter when this was built
     decode: Tokens | None
@@ -110,6 +147,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         cuda_graph_query_lens=(1,),  # verification steps (q > 1) run eagerly through the prefill wrapper
         supports_async_scheduling=True,
         min_compute_capability=(8, 0),
+        sliding_window=True,  # window_left, planned per plan key
+        logits_soft_cap=True,  # logits_soft_cap, likewise
+        attention_sinks=False,  # run(sinks=) misses the kernels planned here (module docstring)
     )
 
     @dataclass
@@ -143,11 +183,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self._use_tensor_cores = decode_use_tensor_cores
         # NOTE: FlashInfer wants the float workspace zeroed before its first use
+        # NOTE: every wrapper shares the float workspace (split-KV partials): they run one after another
         self._workspace = torch.zeros(workspace_mib << 20, dtype=torch.uint8, device=self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=decode_use_tensor_cores)
-        self._graph_decode: dict[int, object] = {}  # captured batch size -> its use_cuda_graph wrapper
+        self._wrappers: dict[PlanKey, tuple[Any, Any]] = {}  # plan key -> its (prefill, decode) wrappers
+        self._graph_decode: dict[tuple[int, PlanKey], Any] = {}  # (captured batch size, plan key) -> wrapper
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's copies were queued
         self._step = 0
 
@@ -169,12 +208,44 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def _plan_decode(self, wrapper, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
-        indptr, indices, last = plan_paged_indices(seq_lens, block_tables, self.block_size)
+    @staticmethod
+    def _variant_kwargs(key: PlanKey) -> dict[str, Any]:
+        """A plan key as plan()'s keyword arguments (none for plain attention: its plan is unchanged)."""
+        window, cap = key
+        kw: dict[str, Any] = {}
+        if window is not None:
+            kw["window_left"] = window - 1
+        if cap is not None:
+            kw["logits_soft_cap"] = cap
+        return kw
+
+    def _eager_wrappers(self, key: PlanKey) -> tuple[Any, Any]:
+        """The (prefill, decode) wrappers of ``key``, made when the key is first planned."""
+        pair = self._wrappers.get(key)
+        if pair is None:
+            fi = self._flashinfer
+            pair = self._wrappers[key] = (
+                fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=self._use_tensor_cores))
+        return pair
+
+    def _plan_decode(self, wrapper, key: PlanKey, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        skip = window_skip_blocks(seq_lens, 1, key[0], self.block_size)
+        indptr, indices, last = plan_paged_indices(seq_lens, block_tables, self.block_size, skip)
         # indptr and last_page_len on the host (plan reads them there), the indices on the device
         wrapper.plan(self._pinned(indptr), self._on_device(indices), self._pinned(last), self.num_heads,
                      self.num_kv_heads, self.head_size, self.block_size, sm_scale=self.scale,
-                     q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype)
+                     q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype, **self._variant_kwargs(key))
+
+    def _plan_prefill(self, wrapper, key: PlanKey, qo_indptr: np.ndarray, seq_lens: np.ndarray,
+                      query_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        skip = window_skip_blocks(seq_lens, query_lens, key[0], self.block_size)
+        indptr, indices, last = plan_paged_indices(seq_lens, block_tables, self.block_size, skip)
+        # after the index arrays: num_qo_heads, num_kv_heads, head_dim, page_size; the rest by keyword
+        wrapper.plan(self._pinned(qo_indptr), self._pinned(indptr), self._on_device(indices), self._pinned(last),
+                     self.num_heads, self.num_kv_heads, self.head_size, self.block_size, causal=True,
+                     sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype,
+                     **self._variant_kwargs(key))
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         meta = super().build_metadata(layout)
@@ -184,51 +255,64 @@ class FlashInferAttentionBackend(AttentionBackend):
         decode = np.flatnonzero(query_lens == 1)
         prefill = np.flatnonzero(query_lens > 1)
         plan = FlashInferPlan(self._step, None, None)
-        self._before_plan()
-        if len(decode):
-            self._plan_decode(self._decode, layout.seq_lens[decode], layout.block_tables[decode])
-            plan.decode = self._tokens(qsl[decode].astype(np.int64))
         if len(prefill):
-            indptr, indices, last = plan_paged_indices(layout.seq_lens[prefill], layout.block_tables[prefill],
-                                                       self.block_size)
             qo_indptr = np.zeros(len(prefill) + 1, dtype=np.int32)
             np.cumsum(query_lens[prefill], out=qo_indptr[1:])
-            # after the index arrays: num_qo_heads, num_kv_heads, head_dim, page_size; the rest by keyword
-            self._prefill.plan(self._pinned(qo_indptr), self._pinned(indptr), self._on_device(indices),
-                               self._pinned(last), self.num_heads, self.num_kv_heads, self.head_size,
-                               self.block_size, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
-                               kv_data_type=self.kv_cache_dtype)
+        self._before_plan()
+        for key in self.plan_keys:  # one key (one plan per wrapper) unless the layers differ
+            prefill_wrapper, decode_wrapper = self._eager_wrappers(key)
+            if len(decode):
+                self._plan_decode(decode_wrapper, key, layout.seq_lens[decode], layout.block_tables[decode])
+            if len(prefill):
+                self._plan_prefill(prefill_wrapper, key, qo_indptr, layout.seq_lens[prefill],
+                                   query_lens[prefill], layout.block_tables[prefill])
+        if len(decode):
+            plan.decode = self._tokens(qsl[decode].astype(np.int64))
+        if len(prefill):
             plan.prefill = self._tokens(token_indices(qsl, prefill))
         self._after_plan()
         meta.extra["flashinfer"] = plan
         return meta
 
     def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        """A decode graph of ``layout.num_seqs`` rows: a wrapper of its own over fixed index buffers."""
+        """A decode graph of ``layout.num_seqs`` rows: a wrapper of its own per plan key, over fixed index
+        buffers (``meta.extra["flashinfer_graph"]``: {plan key: wrapper})."""
         n = layout.num_seqs
         if layout.num_tokens != n:
             raise ValueError("flashinfer: CUDA graphs of decode steps only (one query token per sequence)")
         meta = AttentionBackend.build_metadata(self, layout)
-        wrapper = self._graph_decode.get(n)
-        if wrapper is None:
-            i32 = dict(dtype=torch.int32, device=self.device)
-            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
-                paged_kv_indices_buffer=torch.zeros(n * layout.block_tables.shape[1], **i32),
-                paged_kv_last_page_len_buffer=torch.zeros(n, **i32))
-            self._graph_decode[n] = wrapper
-        self._before_plan()
-        self._plan_decode(wrapper, layout.seq_lens, layout.block_tables)
-        self._after_plan()
-        meta.extra["flashinfer_graph"] = wrapper
+        wrappers = {}
+        for key in self.plan_keys:
+            wrapper = self._graph_decode.get((n, key))
+            if wrapper is None:
+                i32 = dict(dtype=torch.int32, device=self.device)
+                wrapper = self._graph_decode[n, key] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
+                    paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
+                    paged_kv_indices_buffer=torch.zeros(n * layout.block_tables.shape[1], **i32),
+                    paged_kv_last_page_len_buffer=torch.zeros(n, **i32))
+            wrappers[key] = wrapper
+        meta.extra["flashinfer_graph"] = wrappers
+        self._replan_graph(meta, layout)
         return meta
 
     def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
         super().update_graph_metadata(meta, layout)
+        self._replan_graph(meta, layout)
+
+    def _replan_graph(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
         self._before_plan()
-        self._plan_decode(meta.extra["flashinfer_graph"], layout.seq_lens, layout.block_tables)
+        for key, wrapper in meta.extra["flashinfer_graph"].items():
+            self._plan_decode(wrapper, key, layout.seq_lens, layout.block_tables)
         self._after_plan()
+
+    def _layer_wrapper(self, wrappers: dict[PlanKey, Any], layer: AttentionLayer):
+        wrapper = wrappers.get(layer.plan_key)
+        if wrapper is None:
+            raise RuntimeError(f"flashinfer: no plan for layer {layer.index} (sliding window, soft cap) "
+                               f"{layer.plan_key}; planned: {list(wrappers)}. Declare every layer with "
+                               "backend.layer() before the first step")
+        return wrapper
 
     def _tokens(self, tokens: np.ndarray) -> Tokens:
         contiguous = as_slice(tokens)
@@ -239,7 +323,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             t = t.pin_memory()
         return t.to(self.device, non_blocking=self.device.type == "cuda")
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         n = meta.num_tokens
         q = q[:n].contiguous()
@@ -250,14 +334,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         scale_kw = {} if scales is None else dict(k_scale=scales.k, v_scale=scales.v)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
         out = torch.empty_like(q)
-        graph_wrapper = meta.extra.get("flashinfer_graph")
-        if graph_wrapper is not None:  # a captured decode step: every row is a decode
-            graph_wrapper.run(q, (k_cache, v_cache), out=out, **scale_kw)
+        graph_wrappers = meta.extra.get("flashinfer_graph")
+        if graph_wrappers is not None:  # a captured decode step: every row is a decode
+            self._layer_wrapper(graph_wrappers, layer).run(q, (k_cache, v_cache), out=out, **scale_kw)
             return out
         plan: FlashInferPlan = meta.extra["flashinfer"]
         if plan.step != self._step:
             raise RuntimeError("flashinfer: metadata from an earlier step; the wrappers hold one step's plan")
-        for wrapper, tokens in ((self._decode, plan.decode), (self._prefill, plan.prefill)):
+        prefill_wrapper, decode_wrapper = self._layer_wrapper(self._wrappers, layer)
+        for wrapper, tokens in ((decode_wrapper, plan.decode), (prefill_wrapper, plan.prefill)):
             if tokens is None:
                 continue
             if isinstance(tokens, slice):

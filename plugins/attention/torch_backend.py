@@ -13,7 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout, as_bytes
+from kvforge.attention import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayer,
+    AttentionMetadata,
+    BatchLayout,
+    as_bytes,
+)
 from kvforge.plugins.attention.kv_write import write_kv_torch
 
 
@@ -24,6 +32,9 @@ class TorchAttentionBackend(AttentionBackend):
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         kv_cache_dtypes=(torch.float8_e4m3fn,),
         supports_cuda_graphs=False,
+        sliding_window=True,
+        logits_soft_cap=True,
+        attention_sinks=True,
     )
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
@@ -51,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
         ]
         return meta
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         num_tokens = meta.num_tokens
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
@@ -81,9 +92,12 @@ class TorchAttentionBackend(AttentionBackend):
             # keys: [n, kv_heads, max_len, head_size]
             keys = pages(k_cache, tables, 0).reshape(n, max_len, hkv, d).transpose(1, 2)
             vals = pages(v_cache, tables, 1).reshape(n, max_len, hkv, d).transpose(1, 2)
-            mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+            key_pos = torch.arange(max_len, device=q.device)[None, :]
+            mask = key_pos < lens[:, None]  # [n, max_len]
+            if layer.sliding_window is not None:  # the query sits at lens - 1
+                mask &= key_pos > lens[:, None] - 1 - layer.sliding_window
             qd = (q if tok_idx is None else q[tok_idx]).unsqueeze(2)  # [n, heads, 1, head_size]
-            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            o = self._attend(qd, keys, vals, mask[:, None, None, :], layer, gqa)
             if tok_idx is None:
                 return o.squeeze(2).to(out.dtype)
             out[tok_idx] = o.squeeze(2).to(out.dtype)
@@ -93,12 +107,38 @@ class TorchAttentionBackend(AttentionBackend):
             keys = pages(k_cache, blocks, 0).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
             vals = pages(v_cache, blocks, 1).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)
             qp = q[start:end].transpose(0, 1)  # [heads, q_len, d]
-            if ctx_len == q_len:
+            if ctx_len == q_len and layer.features == frozenset():
                 o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 # query i sits at absolute position ctx_len - q_len + i and sees keys 0..that position
-                qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-                mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+                # (within its window: the last sliding_window of them)
+                qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+                key_pos = torch.arange(ctx_len, device=q.device)[None, :]
+                mask = key_pos <= qpos
+                if layer.sliding_window is not None:
+                    mask &= key_pos > qpos - layer.sliding_window
+                o = self._attend(qp, keys, vals, mask, layer, gqa)
             out[start:end] = o.transpose(0, 1).to(out.dtype)
         return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor,
+                layer: AttentionLayer, gqa: bool) -> torch.Tensor:
+        """softmax(q k^T * scale, masked) v in float32: SDPA unless the layer soft-caps its scores or has
+        sinks, then spelled out. q: [..., heads, lq, d]; keys, vals: [..., kv_heads, lk, d]; mask
+        broadcasts to [..., heads, lq, lk] (True: attend)."""
+        if layer.logits_soft_cap is None and layer.sinks is None:
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        if gqa:
+            rep = self.num_heads // self.num_kv_heads
+            keys, vals = keys.repeat_interleave(rep, dim=-3), vals.repeat_interleave(rep, dim=-3)
+        scores = (q @ keys.transpose(-1, -2)) * self.scale  # [..., heads, lq, lk]
+        if layer.logits_soft_cap is not None:
+            cap = layer.logits_soft_cap
+            scores = torch.tanh(scores / cap) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if layer.sinks is not None:  # one more logit per head in each row's denominator
+            sink = layer.sinks.float().reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return probs @ vals

@@ -5,6 +5,8 @@ with ``num_splits`` KV partitions per sequence and KV head, then a reduce) and p
 tiles of ``block_q`` tokens x the query heads of one KV head), all with vectorised numpy and one
 host-to-device copy. ``forward`` launches at most four kernels and never loops over sequences.
 An FP8 cache (``kv_cache_dtype``) is read by the same kernels (triton_kernels.py says how the scales apply).
+Per-layer sliding windows, soft caps and sinks are constexpr variants of the same kernels; a window
+layer's decode splits cover its window only, so it gets a split count of its own (``window_splits``).
 Design notes: docs/attention_triton.md; kernels: triton_kernels.py.
 
 CPU testing: the capabilities list only ``cuda``, but while ``TRITON_INTERPRET=1`` is set (before
@@ -22,7 +24,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kvforge.attention import AttentionBackend, AttentionCapabilities, AttentionMetadata, BatchLayout
+from kvforge.attention import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayer,
+    AttentionMetadata,
+    BatchLayout,
+)
 
 
 @dataclass
@@ -57,6 +66,9 @@ class TritonAttentionBackend(AttentionBackend):
         # decode launches read only device tensors; their grids depend on the batch size and
         # num_splits alone (the partitions are computed from seq_lens on the device)
         supports_cuda_graphs=True,
+        sliding_window=True,
+        logits_soft_cap=True,
+        attention_sinks=True,
     )
     Options = TritonOptions
     #: accept device cpu while TRITON_INTERPRET=1 (tests run the kernels in the interpreter)
@@ -83,9 +95,9 @@ class TritonAttentionBackend(AttentionBackend):
         return [] if err is None else [f"triton is not installed: pip install triton ({err})"]
 
     @classmethod
-    def validate(cls, *, device, dtype, head_size, block_size, kv_cache_dtype=None) -> list[str]:
+    def validate(cls, *, device, dtype, head_size, block_size, kv_cache_dtype=None, features=()) -> list[str]:
         reasons = super().validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
-                                   kv_cache_dtype=kv_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, features=features)
         if (cls._allow_cpu_for_interpreter and torch.device(device).type == "cpu"
                 and os.environ.get("TRITON_INTERPRET") == "1"):
             reasons = [r for r in reasons if not r.startswith("device cpu")]
@@ -108,28 +120,35 @@ class TritonAttentionBackend(AttentionBackend):
         if self.device.type == "cuda":
             t = t.pin_memory().to(self.device, non_blocking=True)
         n_dec, n_tiles = len(decode), len(tile_seq)
-        num_splits = self.decode_num_splits
-        if num_splits is None:
-            max_dec_len = int(layout.seq_lens[decode].max()) if n_dec else 0
-            num_splits = self._kernels.choose_num_splits(n_dec, self.num_kv_heads, max_dec_len, self.num_sms)
+        max_dec_len = int(layout.seq_lens[decode].max()) if n_dec else 0
         meta.extra.update(
             decode_seqs=t[:n_dec],  # [num_decodes] int32, sequence index of each decode
             prefill_tile_seq=t[n_dec:n_dec + n_tiles],  # [num_q_tiles] int32
             prefill_tile_q0=t[n_dec + n_tiles:],  # [num_q_tiles] int32
-            num_splits=num_splits,
         )
+        self._choose_splits(meta, n_dec, max_dec_len)
         return meta
 
     def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """A captured decode graph keeps its grid: pick the split count for the longest context it may see."""
         meta = self.build_metadata(layout)
-        if self.decode_num_splits is None:
-            max_ctx = layout.block_tables.shape[1] * self.block_size
-            meta.extra["num_splits"] = self._kernels.choose_num_splits(layout.num_seqs, self.num_kv_heads,
-                                                                       max_ctx, self.num_sms)
+        self._choose_splits(meta, layout.num_seqs, layout.block_tables.shape[1] * self.block_size)
         return meta
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def _choose_splits(self, meta: AttentionMetadata, num_decodes: int, max_len: int) -> None:
+        """``num_splits`` for the decodes of global layers and ``window_splits`` {window: splits} for
+        those of each sliding window among the layers built (their splits share the window's keys only).
+        Host values fixed per step, so a captured graph's grids stay valid for every replay."""
+        if self.decode_num_splits is not None:
+            meta.extra.update(num_splits=self.decode_num_splits, window_splits={})
+            return
+        choose = functools.partial(self._kernels.choose_num_splits, num_decodes, self.num_kv_heads,
+                                   num_sms=self.num_sms)
+        windows = {spec.sliding_window for spec in self.layers.values() if spec.sliding_window is not None}
+        meta.extra.update(num_splits=choose(max_len),
+                          window_splits={w: choose(min(max_len, w)) for w in windows})
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
         kern, x = self._kernels, meta.extra
         n = meta.num_tokens
@@ -140,7 +159,10 @@ class TritonAttentionBackend(AttentionBackend):
         kern.reshape_and_cache(k, v, kv_cache, meta.slot_mapping[:n], scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         kern.prefill_attention(q, kv_cache, out, x["prefill_tile_seq"], x["prefill_tile_q0"], meta.query_start_loc,
-                               meta.seq_lens, meta.block_tables, self.scale, self.tiles, scales)
+                               meta.seq_lens, meta.block_tables, self.scale, self.tiles, scales, layer)
+        # a window the metadata has no split count for (a layer declared after it was built): any split
+        # count is correct, the global one merely spreads the window thinner
+        num_splits = x["window_splits"].get(layer.sliding_window, x["num_splits"])
         kern.decode_attention(q, kv_cache, out, x["decode_seqs"], meta.query_start_loc, meta.seq_lens,
-                              meta.block_tables, self.scale, x["num_splits"], self.tiles, scales)
+                              meta.block_tables, self.scale, num_splits, self.tiles, scales, layer)
         return out

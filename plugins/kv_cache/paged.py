@@ -11,6 +11,11 @@ block shared with another owner (ref_count > 1, a fork or a prefix hit) is copie
 and stays on the device for the others; cached blocks keep their hashes until evicted. ``swap_in``
 takes fresh device blocks, unshared and unhashed; the request's next ``allocate_slots`` hashes its
 full blocks again, so they rejoin the prefix cache where no other block holds the same prefix.
+
+With ``sliding_window`` (every layer windowed), ``allocate_slots`` first gives back the request's
+blocks wholly behind the window of its next token, as ``free`` would (a cached one keeps its hash
+and stays reusable until evicted); the table keeps ``NULL_BLOCK`` in their place. Only blocks
+already hashed (or any, without prefix caching) are given back, so the hash chain is never cut.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvforge.kv_cache import KVCacheManager, KVCacheStats, hash_block
+from kvforge.kv_cache import NULL_BLOCK, KVCacheManager, KVCacheStats, hash_block
 from kvforge.request import Request
 
 
@@ -36,9 +41,9 @@ class PagedKVCacheManager(KVCacheManager):
     name = "paged"
 
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, sliding_window: int | None = None):
         super().__init__(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                         num_cpu_blocks=num_cpu_blocks)
+                         num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window)
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -50,6 +55,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))  # popped from the end
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> CPU blocks, logical order
         self.swapped_out = self.swapped_in = 0
+        self.num_dropped: dict[str, int] = {}  # request -> its leading blocks given back (behind the window)
 
     # -- prefix cache ----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -85,6 +91,8 @@ class PagedKVCacheManager(KVCacheManager):
             parent_hash = hashes[i - 1] if i else None
             h = hash_block(parent_hash, tokens, extra)
             hashes.append(h)
+            if table[i] == NULL_BLOCK:  # given back behind the window (swapped in again): chain only
+                continue
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
                 block.hash, block.tokens = h, tokens
@@ -107,6 +115,8 @@ class PagedKVCacheManager(KVCacheManager):
         table = [] if first else table
         num_computed = len(computed_blocks) * bs if computed_blocks else request.num_computed_tokens
         total = num_computed + num_new_tokens
+        if self.sliding_window is not None and not first:
+            self._drop_behind_window(rid, table, num_computed)
         reviving = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         need = -(-total // bs) - len(table) - len(computed_blocks)
         cow = self._needs_cow(table, num_computed) and num_new_tokens > 0
@@ -134,6 +144,20 @@ class PagedKVCacheManager(KVCacheManager):
             self._cache_full_blocks(request, table, min(total, known))
         return True
 
+    def _drop_behind_window(self, rid: str, table: list[int], num_computed: int) -> None:
+        """Give back the blocks no token from ``num_computed`` on can see: the next token, at position
+        ``num_computed``, sees positions ``num_computed - window + 1`` and later."""
+        first_visible = max(0, num_computed - self.sliding_window + 1)
+        end = first_visible // self.block_size  # blocks 0 .. end-1 hold only invisible positions
+        if self.enable_prefix_caching:
+            end = min(end, self.num_hashed.get(rid, 0))  # never cut the chain of hashes still to make
+        start = self.num_dropped.get(rid, 0)
+        if end <= start:
+            return
+        self._release([b for b in table[start:end] if b != NULL_BLOCK])
+        table[start:end] = [NULL_BLOCK] * (end - start)
+        self.num_dropped[rid] = end
+
     def _needs_cow(self, table: list[int], num_computed: int) -> bool:
         idx = num_computed // self.block_size
         return num_computed % self.block_size != 0 and idx < len(table) and self.blocks[table[idx]].ref_count > 1
@@ -155,12 +179,13 @@ class PagedKVCacheManager(KVCacheManager):
         return block_id
 
     def free(self, request_id: str) -> None:
-        self.cpu_free.extend(self.cpu_tables.pop(request_id, ()))
+        self.cpu_free.extend(c for c in self.cpu_tables.pop(request_id, ()) if c != NULL_BLOCK)
         table = self.tables.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
         self.hashes.pop(request_id, None)
+        self.num_dropped.pop(request_id, None)
         if table is not None:
-            self._release(table)
+            self._release([b for b in table if b != NULL_BLOCK])
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
         table = self.tables.get(request_id)
@@ -189,8 +214,11 @@ class PagedKVCacheManager(KVCacheManager):
             raise ValueError(f"request {child_id!r} already holds blocks")
         table = list(self.tables[parent_id])
         for b in table:
-            self.blocks[b].ref_count += 1
+            if b != NULL_BLOCK:
+                self.blocks[b].ref_count += 1
         self.tables[child_id] = table
+        if parent_id in self.num_dropped:
+            self.num_dropped[child_id] = self.num_dropped[parent_id]
         self.hashes[child_id] = list(self.hashes.get(parent_id, []))
         self.num_hashed[child_id] = self.num_hashed.get(parent_id, 0)
 
@@ -199,26 +227,31 @@ class PagedKVCacheManager(KVCacheManager):
         table = self.tables.get(request_id)
         if table is None or request_id in self.cpu_tables:
             raise ValueError(f"cannot swap out request {request_id!r}: it holds no device blocks")
-        if len(table) > len(self.cpu_free):
+        live = [b for b in table if b != NULL_BLOCK]
+        if len(live) > len(self.cpu_free):
             return None
-        cpu = [self.cpu_free.pop() for _ in table]
+        dropped = self.num_dropped.get(request_id, 0)
+        cpu = [NULL_BLOCK if b == NULL_BLOCK else self.cpu_free.pop() for b in table]
         self.free(request_id)
         self.cpu_tables[request_id] = cpu
-        self.swapped_out += len(cpu)
-        return list(zip(table, cpu))
+        if dropped:
+            self.num_dropped[request_id] = dropped
+        self.swapped_out += len(live)
+        return [(d, c) for d, c in zip(table, cpu) if d != NULL_BLOCK]
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         cpu = self.cpu_tables.get(request_id)
         if cpu is None:
             raise ValueError(f"cannot swap in request {request_id!r}: it is not swapped out")
-        if len(cpu) > len(self.free_queue):
+        live = [c for c in cpu if c != NULL_BLOCK]
+        if len(live) > len(self.free_queue):
             return None
-        table = [self._pop_free() for _ in cpu]
+        table = [NULL_BLOCK if c == NULL_BLOCK else self._pop_free() for c in cpu]
         del self.cpu_tables[request_id]
-        self.cpu_free.extend(reversed(cpu))
+        self.cpu_free.extend(reversed(live))
         self.tables[request_id] = table
-        self.swapped_in += len(cpu)
-        return list(zip(cpu, table))
+        self.swapped_in += len(live)
+        return [(c, d) for c, d in zip(cpu, table) if c != NULL_BLOCK]
 
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])

@@ -57,9 +57,10 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"speculative_config: model: the draft model {src.name!r} has a vocabulary of "
                              f"{mc.vocab_size} tokens and the target {self.vocab_size}; they must share one")
         name, cls = select_attention_backend(get_plugin_manager(), attention_backend, device=self.device,
-                                             dtype=self.dtype, head_size=mc.head_dim, block_size=self.block_size)
+                                             dtype=self.dtype, head_size=mc.head_dim, block_size=self.block_size,
+                                             features=mc.attention_features)
         self.attn = cls(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim,
-                        scale=mc.head_dim ** -0.5, block_size=self.block_size, dtype=self.dtype, device=self.device)
+                        scale=mc.attention_scale, block_size=self.block_size, dtype=self.dtype, device=self.device)
         pm = get_plugin_manager()
         method = quantization.resolve(quantization.registered(pm), None, mc)  # a pre-quantized draft's
         quant = pm.get("quantization_method", method)(model_config=mc) if method else None

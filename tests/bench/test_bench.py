@@ -305,3 +305,20 @@ def test_benchmarks_md_names_every_bench_flag():
     missing = sorted({s for sub in subs.values() for a in sub._actions for s in a.option_strings
                       if s.startswith("--") and s != "--help" and s not in engine and f"`{s}" not in text})
     assert not missing, f"docs/benchmarks.md does not name {missing}"
+
+
+def test_moe_roofline_counts_the_experts_a_step_reads():
+    from kvforge.bench.metrics import active_layer_params, experts_touched
+    from kvforge.model_config import ModelConfig
+
+    mc = ModelConfig.from_preset("qwen3-30b-a3b")
+    attn = mc.hidden_size * (32 * 128 + 2 * 4 * 128) + 32 * 128 * mc.hidden_size
+    expert = 3 * mc.hidden_size * 768
+    assert layer_params(mc) == 48 * (attn + 128 * expert)  # every stored expert
+    assert active_layer_params(mc) == 48 * (attn + 8 * expert)  # one token's 8 experts: its FLOPs
+    assert experts_touched(mc, 1) == pytest.approx(8)
+    assert experts_touched(mc, 256) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 256))  # all but ~0
+    head = mc.vocab_size * mc.hidden_size * 2
+    assert step_weight_bytes(mc, 2, 1) == pytest.approx(48 * (attn + 8 * expert) * 2 + head)
+    dense = ModelConfig.from_preset("llama-3-8b")
+    assert step_weight_bytes(dense, 2, 1) == step_weight_bytes(dense, 2)  # a dense step reads every weight

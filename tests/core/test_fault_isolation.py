@@ -242,20 +242,3 @@ def test_prompt_logprobs_in_slices_match_all_at_once(tiny_llm, monkeypatch):
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5)
             # the top entries' ranks exactly; a deep rank may move by one between exact float ties
             assert a[t].rank == b[t].rank if a[t].rank <= 3 else abs(a[t].rank - b[t].rank) <= 1
-
-
-def test_a_sliding_window_model_is_capped_at_its_window_or_refused(tmp_path):
-    """Mistral's sliding_window was dropped (wrong output past the window): now max_model_len stops there."""
-    import transformers
-
-    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                     max_position_embeddings=512, sliding_window=48)
-    torch.manual_seed(0)
-    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"max_model_len=128 exceeds the model's sliding window \(48 tokens\)"):
-        LLM(str(tmp_path), device="cpu", max_model_len=128, num_gpu_blocks_override=32)
-    llm = LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=32)
-    assert llm.llm_engine.max_model_len == 48
-    with pytest.raises(ValueError, match="longer than max_model_len=48"):
-        llm.generate([list(range(3, 60))], SamplingParams(max_tokens=2), use_tqdm=False)

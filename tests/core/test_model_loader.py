@@ -49,7 +49,21 @@ def test_presets():
     c = ModelConfig.from_preset("llama-3-70b")  # Meta-Llama-3-70B's config.json
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, c.vocab_size) == (8192, 28672, 80, 64, 8, 128, 128256)
-    assert set(PRESETS) == {"llama-3-8b", "llama-3-70b", "llama-3.2-1b", "smollm2-135m", "tiny"}
+    c = ModelConfig.from_preset("qwen3-30b-a3b")  # Qwen/Qwen3-30B-A3B's config.json
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.hf_config["num_experts"], c.hf_config["num_experts_per_tok"], c.hf_config["moe_intermediate_size"]) == (
+        2048, 48, 32, 4, 128, 128, 8, 768)
+    c = ModelConfig.from_preset("gpt-oss-20b")  # openai/gpt-oss-20b's config.json
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.hf_config["num_local_experts"], c.hf_config["num_experts_per_tok"], c.sliding_window) == (
+        2880, 24, 64, 8, 64, 32, 4, 128)
+    assert c.attention_features == {"sliding_window", "attention_sinks"} and c.window_of(1) is None
+    c = ModelConfig.from_preset("gemma-3-27b")  # google/gemma-3-27b-it's text_config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.sliding_window, c.attention_scale) == (5376, 62, 32, 16, 128, 1024, 168 ** -0.5)
+    assert [i for i in range(62) if c.window_of(i) is None] == list(range(5, 62, 6))
+    assert set(PRESETS) == {"llama-3-8b", "llama-3-70b", "llama-3.2-1b", "smollm2-135m", "tiny", "qwen3-30b-a3b",
+                            "gpt-oss-20b", "gemma-3-27b"}
 
 
 def test_unknown_preset_lists_valid_ones():

@@ -2,7 +2,8 @@
 python -m pytest -m gpu tests/gpu/test_gpu_backends.py).
 
 Each backend that is registered and whose library imports is checked layer-level (bf16, mixed batches,
-shuffled block tables, every declared block size) and engine-level (greedy tokens of a random Llama).
+shuffled block tables, every declared block size; each per-layer variant it declares: sliding window,
+soft cap, sinks) and engine-level (greedy tokens of a random Llama).
 First use compiles: FlashInfer JIT-compiles per dtype/head size (minutes, cached in ~/.cache/flashinfer
 while the machine lives); FA4 compiles per shape family in seconds.
 """
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvforge.attention import AttentionLayer
 from kvforge.plugin_manager import get_plugin_manager
-from testing_support import random_layout
+from testing_support import first_visible, give_back_blocks, random_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +96,71 @@ def test_forward_matches_torch_bf16(name, block_size, shape):
         per_seq = [rel_err(got[qsl[i]:qsl[i + 1]], want[qsl[i]:qsl[i + 1]]) for i in range(layout.num_seqs)]
         worst = int(np.argmax(per_seq))
         assert per_seq[worst] < 2e-2, f"{layout_name}: sequence {worst} {specs[worst]} rel err {per_seq[worst]:.3g}"
+
+
+# the layer variants (AttentionBackend.layer's keyword arguments; sinks=True: one logit per query head)
+VARIANTS = {
+    "window": dict(sliding_window=256),
+    "soft-cap": dict(logits_soft_cap=2.0),
+    "window-and-cap": dict(sliding_window=1000, logits_soft_cap=2.0),
+    "sinks": dict(sinks=True),
+    "all-three": dict(sliding_window=256, logits_soft_cap=2.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_variants_match_torch_bf16(name, variant):
+    """Each variant a backend declares, beside a second layer run from the same metadata (FlashInfer: two
+    plan keys): a global one, or one with twice the window, and then the blocks that left both windows
+    are given back (entries 0)."""
+    from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
+
+    cls = backend_class(name)
+    h, hkv, d = SHAPES[0]
+    dev = torch.device("cuda")
+    layer_kw = dict(VARIANTS[variant])
+    if layer_kw.pop("sinks", False):
+        layer_kw["sinks"] = torch.linspace(-2.0, 4.0, h, device=dev)
+    features = AttentionLayer(1, **layer_kw).features
+    block_size = next((b for b in (16, 256) if not cls.validate(device=dev, dtype=torch.bfloat16, head_size=d,
+                                                                 block_size=b, features=features)), None)
+    if block_size is None:
+        reasons = cls.validate(device=dev, dtype=torch.bfloat16, head_size=d, block_size=16, features=features)
+        pytest.skip(f"{name} declares no support: {'; '.join(reasons)}")
+    kw = dict(num_heads=h, num_kv_heads=hkv, head_size=d, scale=d ** -0.5, block_size=block_size, device=dev)
+    backend = cls(**kw, dtype=torch.bfloat16)
+    ref = TorchAttentionBackend(**kw, dtype=torch.float32)
+    window = layer_kw.get("sliding_window")
+    other_window = None if window is None else 2 * window
+    for b in (backend, ref):
+        b.layer(0, sliding_window=other_window)
+        b.layer(1, **layer_kw)
+    rng = np.random.default_rng(4)
+    torch.manual_seed(4)
+    for layout_name in ("mixed", "long-chunk", "decode"):
+        specs = LAYOUTS[layout_name]
+        layout, num_blocks = make_layout(specs, block_size, rng)
+        if other_window is not None:
+            layout, num_blocks = give_back_blocks(layout, first_visible(specs, other_window), block_size), num_blocks + 1
+        t = layout.num_tokens
+        q = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+        cache = torch.randn(backend.kv_cache_shape(num_blocks), device=dev, dtype=torch.bfloat16)
+        ref_cache = cache.float()
+        meta, ref_meta = backend.build_metadata(layout), ref.build_metadata(layout)
+        for index in (1, 0):  # both layers write the same K/V into the same slots
+            want = ref.forward(q.float(), k.float(), v.float(), ref_cache, ref_meta, ref.layers[index])
+            got = backend.forward(q, k, v, cache, meta, backend.layers[index])
+            torch.cuda.synchronize()
+            where = f"{layout_name}, layer {index}"
+            assert torch.isfinite(got).all(), where
+            assert rel_err(got, want) < 1e-2, where
+            qsl = layout.query_start_loc
+            per_seq = [rel_err(got[qsl[i]:qsl[i + 1]], want[qsl[i]:qsl[i + 1]]) for i in range(layout.num_seqs)]
+            worst = int(np.argmax(per_seq))
+            assert per_seq[worst] < 2e-2, f"{where}: sequence {worst} {specs[worst]} rel err {per_seq[worst]:.3g}"
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -95,3 +95,54 @@ def test_decode_replays_in_cuda_graph():
     expect = ref.forward(q.float(), k.float(), v.float(), cache.float(), ref.build_metadata(layout))
     torch.cuda.synchronize()
     assert _rel_err(out, expect) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+def test_decode_with_window_soft_cap_and_sinks_replays_in_cuda_graph(splits):
+    """A captured decode step of two sliding-window layers (700 keys, soft-capped, with sinks; 1500 keys),
+    replayed after update_graph_metadata moved the contexts on and the blocks that left both windows were
+    given back (entries 0): block 0 holds NaN for triton, which must not read it, and finite data for
+    the reference, which masks it."""
+    windows, block_size = (700, 1500), 16
+    rng = np.random.default_rng(2)
+    ref, tri = _backends(128, block_size, decode_num_splits=splits)
+    sinks = torch.linspace(-1.0, 3.0, HEADS, device="cuda")
+    for b in (ref, tri):
+        b.layer(0, sliding_window=windows[0], logits_soft_cap=20.0, sinks=sinks)
+        b.layer(1, sliding_window=windows[1])
+    first, later = [(500, 1), (3000, 1), (40, 1)], [(900, 1), (4000, 1), (41, 1)]
+    base = random_layout(later, block_size, rng, 400)
+    used = np.arange(base.block_tables.shape[1])[None, :] < -(-base.seq_lens[:, None] // block_size)
+    tables = np.where(used, base.block_tables + 1, 0).astype(np.int32)  # block 0: nobody's
+
+    def step(specs, give_back: bool) -> BatchLayout:
+        pos = np.array([p for p, _ in specs])
+        t = tables.copy()
+        if give_back:  # the blocks wholly before the wider window
+            for i, p in enumerate(pos):
+                t[i, :max(0, p - windows[1] + 1) // block_size] = 0
+        return BatchLayout(query_start_loc=base.query_start_loc, seq_lens=(pos + 1).astype(np.int32), block_tables=t,
+                           slot_mapping=(tables[np.arange(len(pos)), pos // block_size] * block_size
+                                         + pos % block_size).astype(np.int64))
+
+    q = torch.randn(3, HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, KV_HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cache = torch.randn(tri.kv_cache_shape(401), device="cuda", dtype=torch.bfloat16)
+    meta = tri.build_graph_metadata(step(first, give_back=False))
+    assert meta.extra["window_splits"].keys() == (set(windows) if splits is None else set())
+    for i in (0, 1):
+        tri.forward(q, k, v, cache, meta, tri.layers[i])  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [tri.forward(q, k, v, cache, meta, tri.layers[i]) for i in (0, 1)]
+    later_layout = step(later, give_back=True)
+    tri.update_graph_metadata(meta, later_layout)
+    cache[:, 0] = float("nan")
+    graph.replay()
+    ref_cache = cache.float()
+    ref_cache[:, 0] = torch.randn_like(ref_cache[:, 0])
+    ref_meta = ref.build_metadata(later_layout)
+    for i in (0, 1):
+        expect = ref.forward(q.float(), k.float(), v.float(), ref_cache, ref_meta, ref.layers[i])
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[i]).all() and _rel_err(outs[i], expect) < 1e-2, f"layer {i}"

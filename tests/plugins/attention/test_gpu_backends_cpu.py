@@ -1,6 +1,7 @@
 """The ``flashinfer`` and ``flash_attn`` backends without their libraries or a GPU: refusals, selection,
 host-side planning, and the forward plumbing against fake libraries that follow the documented
-semantics (FlashInfer's CSR page table; FlashAttention's page table and bottom-right causal mask)."""
+semantics (FlashInfer's CSR page table; FlashAttention's page table and bottom-right causal mask; both
+libraries' sliding windows and soft caps, FA4's learnable sinks)."""
 import dataclasses
 import sys
 import types
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvforge.attention import ATTENTION_FEATURES
 from kvforge.builder import select_attention_backend
 from kvforge.plugin_manager import get_plugin_manager, reset_plugin_manager
 from kvforge.plugins.attention import flash_attn_backend as fa_mod
@@ -18,9 +20,10 @@ from kvforge.plugins.attention.flashinfer_backend import (
     as_slice,
     plan_paged_indices,
     token_indices,
+    window_skip_blocks,
 )
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
-from testing_support import random_layout
+from testing_support import first_visible, give_back_blocks, random_layout
 
 CUDA = torch.device("cuda")
 FA_MODULES = ("flash_attn", "flash_attn.cute", "flash_attn_interface")
@@ -117,6 +120,19 @@ def test_plan_paged_indices_hand_checked():
     assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 1], [3], [4])
 
 
+def test_window_skip_blocks_leave_out_whole_blocks_before_the_first_query_window():
+    # block size 4, window 6: a decode at 21 (context 22) sees 16..21, so blocks 0-3 go; a 7-token chunk
+    # after 20 cached sees from 15 (block 3 stays, partly); a fresh 19-token prompt keeps everything
+    seq_lens, q_lens = np.array([22, 27, 19, 5]), np.array([1, 7, 19, 1])
+    assert window_skip_blocks(seq_lens, q_lens, 6, 4).tolist() == [4, 3, 0, 0]
+    assert window_skip_blocks(seq_lens, q_lens, None, 4) is None
+    tables = np.arange(28, dtype=np.int32).reshape(4, 7)
+    indptr, indices, last = plan_paged_indices(seq_lens, tables, 4, window_skip_blocks(seq_lens, q_lens, 6, 4))
+    assert indptr.tolist() == [0, 2, 6, 11, 13]
+    assert indices.tolist() == [4, 5, 10, 11, 12, 13, 14, 15, 16, 17, 18, 21, 22]
+    assert last.tolist() == [2, 3, 3, 1]  # the last page is the same whatever is left out before it
+
+
 def test_token_indices_and_slices():
     qsl = np.array([0, 1, 8, 9, 12, 13], dtype=np.int32)  # q_lens 1, 7, 1, 3, 1
     assert token_indices(qsl, np.array([0, 2, 4])).tolist() == [0, 8, 12]
@@ -128,9 +144,11 @@ def test_token_indices_and_slices():
 
 
 # -- forward plumbing against fake libraries --------------------------------------------------------
-def reference(q, k_cache, v_cache, cu_q, kv_lens, pages, scale, causal):
+def reference(q, k_cache, v_cache, cu_q, kv_lens, pages, scale, causal, window_left=-1, softcap=0.0, sinks=None):
     """Paged attention, one sequence at a time: q rows cu_q[i]:cu_q[i+1] over kv_lens[i] keys stored in
-    pages[i]; causal aligned bottom-right (FlashInfer and FlashAttention >= 2 alike)."""
+    pages[i]; causal aligned bottom-right (FlashInfer and FlashAttention >= 2 alike), and so is the window:
+    query i of q_len sits at kv_len - q_len + i and sees window_left keys before it (-1: all); softcap > 0:
+    scaled scores become softcap * tanh(score / softcap); sinks: [heads] logits joining each denominator."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     for i in range(len(kv_lens)):
@@ -139,10 +157,19 @@ def reference(q, k_cache, v_cache, cu_q, kv_lens, pages, scale, causal):
         keys = k_cache[page_ids].flatten(0, 1)[:n].repeat_interleave(group, dim=1).float()  # [n, heads, d]
         vals = v_cache[page_ids].flatten(0, 1)[:n].repeat_interleave(group, dim=1).float()
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), keys) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos, kpos = torch.arange(n - (e - s), n)[:, None], torch.arange(n)[None, :]
         if causal:
-            qpos = torch.arange(n - (e - s), n)[:, None]
-            scores = scores.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).to(q.dtype)
+            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        if window_left >= 0:
+            scores = scores.masked_fill(kpos < qpos - window_left, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, e - s, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
     return out
 
 
@@ -151,19 +178,22 @@ class FakePrefillWrapper:
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):
         assert kv_layout == "NHD"
+        self.plans = 0  # plan() calls
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, *, causal=False, sm_scale=None, q_data_type="float16",
-             kv_data_type=None):
+             num_kv_heads, head_dim_qk, page_size, *, causal=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, q_data_type="float16", kv_data_type=None):
         assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in
                    (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len))
         assert bool((paged_kv_last_page_len >= 1).all() and (paged_kv_last_page_len <= page_size).all())
+        self.plans += 1
         self.qo_indptr = qo_indptr.clone()
         ind, last = paged_kv_indptr.tolist(), paged_kv_last_page_len.tolist()
         self.pages = [paged_kv_indices[ind[i]:ind[i + 1]].tolist() for i in range(len(last))]
         self.kv_lens = [(len(p) - 1) * page_size + n for p, n in zip(self.pages, last)]
         self.heads = (num_qo_heads, num_kv_heads, head_dim_qk)
         self.causal, self.scale, self.dtype = causal, sm_scale, q_data_type
+        self.window_left, self.soft_cap = window_left, logits_soft_cap or 0.0
         self.kv_dtype = kv_data_type or q_data_type
 
     def run(self, q, paged_kv_cache, *, out=None, k_scale=None, v_scale=None):
@@ -173,7 +203,8 @@ class FakePrefillWrapper:
         assert k_cache.dtype == v_cache.dtype == self.kv_dtype  # flashinfer checks the planned kv_data_type
         # flashinfer 0.7's run(): sm_scale *= k_scale, then out *= v_scale (the raw FP8 values are read)
         scale = self.scale * (1.0 if k_scale is None else k_scale)
-        o = reference(q, k_cache, v_cache, self.qo_indptr, self.kv_lens, self.pages, scale, self.causal)
+        o = reference(q, k_cache, v_cache, self.qo_indptr, self.kv_lens, self.pages, scale, self.causal,
+                      self.window_left, self.soft_cap)
         if v_scale is not None:
             o = o * v_scale
         if out is None:
@@ -183,46 +214,70 @@ class FakePrefillWrapper:
 
 
 class FakeDecodeWrapper(FakePrefillWrapper):
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
         assert kv_layout == "NHD"
+        assert use_cuda_graph == (paged_kv_indices_buffer is not None)  # graph wrappers bring their buffers
+        self.graph_rows = None if paged_kv_indptr_buffer is None else len(paged_kv_indptr_buffer) - 1
+        self.plans = 0
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             sm_scale=None, q_data_type="float16", kv_data_type=None):
+             sm_scale=None, window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None):
+        assert self.graph_rows in (None, len(last_page_len))  # a graph wrapper's batch size is fixed
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
         super().plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                     causal=False, sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+                     causal=False, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                     q_data_type=q_data_type, kv_data_type=kv_data_type)
 
 
 def _pages(page_table, kv_lens, page_size):
     return [page_table[i, :-(-int(n) // page_size)].tolist() for i, n in enumerate(kv_lens.tolist())]
 
 
+def _window_left(window_size, causal):
+    """FlashAttention's (left, right) window, both inclusive, -1 or None for unbounded; only the causal
+    (left, 0) windows a decoder asks for."""
+    left, right = window_size
+    assert right in (None, -1, 0) and (right != 0 or causal)
+    return -1 if left is None else left
+
+
+#: the keyword arguments of the latest fake FlashAttention call
+fa_calls: list[dict] = []
+
+
 def fake_fa4(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
-             softmax_scale=None, causal=False):
+             softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0):
+    # flash-attn-4 4.0.0b36's flash_attn_varlen_func signature, up to the arguments the backend passes
+    fa_calls.append(dict(window_size=window_size, learnable_sink=learnable_sink, softcap=softcap))
     assert page_table.dtype == seqused_k.dtype == cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k is None
     assert max_seqlen_q == int(torch.diff(cu_seqlens_q).max()) and max_seqlen_k == int(seqused_k.max())
+    assert learnable_sink is None or learnable_sink.shape == (q.shape[1],)
     out = reference(q, k, v, cu_seqlens_q, seqused_k, _pages(page_table, seqused_k, k.shape[1]), softmax_scale,
-                    causal)
+                    causal, _window_left(window_size, causal), softcap, learnable_sink)
     return out, None
 
 
 def fake_fa3(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
              cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
              max_seqlen_q=None, rotary_seqlens=None, q_descale=None, k_descale=None, v_descale=None,
-             softmax_scale=None, causal=False):
+             softmax_scale=None, causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0):
+    fa_calls.append(dict(window_size=window_size, softcap=softcap))
     assert k is None and v is None and max_seqlen_q is not None
     return reference(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens,
-                     _pages(page_table, cache_seqlens, k_cache.shape[1]), softmax_scale, causal)
+                     _pages(page_table, cache_seqlens, k_cache.shape[1]), softmax_scale, causal,
+                     _window_left(window_size, causal), softcap)
 
 
 def fake_fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
              causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
              return_attn_probs=False, block_table=None):
+    fa_calls.append(dict(window_size=window_size, softcap=softcap))
     assert k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
     kv_lens = torch.diff(cu_seqlens_k)
     return reference(q, k, v, cu_seqlens_q, kv_lens, _pages(block_table, kv_lens, k.shape[1]), softmax_scale,
-                     causal)
+                     causal, _window_left(window_size, causal), softcap)
 
 
 @pytest.fixture
@@ -264,20 +319,28 @@ def make_layout(specs, block_size, rng, num_blocks=NUM_BLOCKS):
     return random_layout(specs, block_size, rng, num_blocks)
 
 
-def compare_with_torch(cls, specs, block_size, dtype=torch.float32, num_blocks=NUM_BLOCKS, **options):
+def compare_with_torch(cls, specs, block_size, dtype=torch.float32, num_blocks=NUM_BLOCKS, layer=None, **options):
+    """The backend against the torch reference on one step; ``layer``: AttentionBackend.layer's keyword
+    arguments (None: plain). With a sliding window the blocks wholly before each window are given back:
+    their entries point at block 0, which holds another sequence's (finite) K/V."""
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
     kw = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=block_size, dtype=dtype,
               device=torch.device("cpu"))
     ref, under_test = TorchAttentionBackend(**kw), cls(**kw, **options)
+    layer = layer or {}
+    specs_of = [b.layer(0, **layer) for b in (ref, under_test)]
     layout = make_layout(specs, block_size, rng, num_blocks)
+    if layer.get("sliding_window") is not None:
+        layout = give_back_blocks(layout, first_visible(specs, layer["sliding_window"]), block_size)
+        num_blocks += 1
     t = layout.num_tokens
     q, k, v = torch.randn(t, 8, 64, dtype=dtype), torch.randn(t, 2, 64, dtype=dtype), torch.randn(t, 2, 64, dtype=dtype)
     # the whole cache holds random K/V: the cached prefixes are whatever their slots hold
     cache = torch.randn(ref.kv_cache_shape(num_blocks), dtype=dtype)
     caches = [cache.clone(), cache.clone()]
-    want = ref.forward(q, k, v, caches[0], ref.build_metadata(layout))
-    got = under_test.forward(q, k, v, caches[1], under_test.build_metadata(layout))
+    want = ref.forward(q, k, v, caches[0], ref.build_metadata(layout), specs_of[0])
+    got = under_test.forward(q, k, v, caches[1], under_test.build_metadata(layout), specs_of[1])
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert torch.equal(caches[0], caches[1])  # new K/V landed in the same slots
     return under_test
@@ -298,12 +361,166 @@ def test_flashinfer_routes_tokens_by_query_length(fake_flashinfer):
     plan = meta.extra["flashinfer"]
     assert plan.decode.tolist() == [0, 27, 28, 31]  # q_len 1 rows, interleaved: gathered
     assert plan.prefill.tolist() == list(range(1, 27)) + [29, 30]
-    assert backend._decode.kv_lens == [22, 5, 34, 48] and backend._prefill.kv_lens == [27, 19, 2]
+    prefill, decode = backend._wrappers[None, None]
+    assert decode.kv_lens == [22, 5, 34, 48] and prefill.kv_lens == [27, 19, 2]
     meta = backend.build_metadata(make_layout(DECODES_FIRST, 4, np.random.default_rng(0)))
     assert (meta.extra["flashinfer"].decode, meta.extra["flashinfer"].prefill) == (slice(0, 3), slice(3, 29))
     backend.build_metadata(make_layout(DECODES_FIRST, 4, np.random.default_rng(0)))  # the wrappers move on
     with pytest.raises(RuntimeError, match="earlier step"):
         backend.forward(*(torch.zeros(29, h, 64) for h in (8, 2, 2)), torch.zeros(2, NUM_BLOCKS, 4, 2, 64), meta)
+
+
+# -- per-layer variants ---------------------------------------------------------------------------------
+# small windows over INTERLEAVED's contexts (up to 48): decodes and chunks whose first blocks were given back
+VARIANTS = {"window": dict(sliding_window=6), "soft-cap": dict(logits_soft_cap=2.0),
+            "window-and-cap": dict(sliding_window=13, logits_soft_cap=2.0)}
+
+
+@pytest.mark.parametrize("layer", VARIANTS.values(), ids=VARIANTS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_flashinfer_variants_match_torch(fake_flashinfer, layer, block_size):
+    backend = compare_with_torch(FlashInferAttentionBackend, INTERLEAVED, block_size, layer=layer)
+    window, cap = layer.get("sliding_window"), layer.get("logits_soft_cap")
+    assert list(backend._wrappers) == [(window, cap)]  # one plan key: one pair of wrappers, as before
+    for wrapper in backend._wrappers[window, cap]:
+        assert (wrapper.window_left, wrapper.soft_cap) == (-1 if window is None else window - 1, cap or 0.0)
+        if window is not None:  # the given-back entries (0: block 0 is nobody's here) are left out
+            assert all(0 not in pages for pages in wrapper.pages)
+
+
+def test_flashinfer_plans_each_plan_key_once_per_step(fake_flashinfer):
+    """Gemma-2-like layers (sliding and global, all soft-capped) and a plain one: three plan keys, each
+    planned once per step with its window and cap; one metadata then serves every layer."""
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4, dtype=torch.float32,
+              device=torch.device("cpu"))
+    ref, fi = TorchAttentionBackend(**kw), FlashInferAttentionBackend(**kw, workspace_mib=16)
+    for backend in (ref, fi):
+        for i in range(4):
+            backend.layer(i, sliding_window=8 if i % 2 == 0 else None, logits_soft_cap=50.0)
+        backend.layer(4)
+    assert fi.plan_keys == [(8, 50.0), (None, 50.0), (None, None)]
+    layout = make_layout(INTERLEAVED, 4, np.random.default_rng(0))
+    meta = fi.build_metadata(layout)
+    assert list(fi._wrappers) == fi.plan_keys
+    for (window, cap), pair in fi._wrappers.items():
+        assert [w.plans for w in pair] == [1, 1]
+        assert all((w.window_left, w.soft_cap) == (-1 if window is None else 7, cap or 0.0) for w in pair)
+    prefill, decode = fi._wrappers[8, 50.0]  # the window's plan starts at the first block it sees
+    assert decode.kv_lens == [10, 5, 10, 8] and prefill.kv_lens == [15, 19, 2]
+    prefill, decode = fi._wrappers[None, None]
+    assert decode.kv_lens == [22, 5, 34, 48] and prefill.kv_lens == [27, 19, 2]
+    torch.manual_seed(0)
+    t = layout.num_tokens
+    q, k, v = torch.randn(t, 8, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+    cache = torch.randn(ref.kv_cache_shape(NUM_BLOCKS))
+    ref_meta = ref.build_metadata(layout)
+    for i in range(5):
+        want = ref.forward(q, k, v, cache.clone(), ref_meta, ref.layers[i])
+        torch.testing.assert_close(fi.forward(q, k, v, cache.clone(), meta, fi.layers[i]), want, rtol=2e-5, atol=2e-5)
+    fi.build_metadata(layout)
+    assert all(w.plans == 2 for pair in fi._wrappers.values() for w in pair)
+
+
+def test_flashinfer_refuses_a_layer_it_has_no_plan_for(fake_flashinfer):
+    fi = FlashInferAttentionBackend(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4,
+                                    dtype=torch.float32, device=torch.device("cpu"), workspace_mib=16)
+    fi.layer(0, sliding_window=8)
+    meta = fi.build_metadata(make_layout(DECODES_FIRST, 4, np.random.default_rng(0)))
+    with pytest.raises(RuntimeError, match=r"no plan for layer -1 .* \(None, None\); planned: \[\(8, None\)\]"):
+        fi.forward(*(torch.zeros(29, h, 64) for h in (8, 2, 2)), torch.zeros(2, NUM_BLOCKS, 4, 2, 64), meta)
+
+
+def test_flashinfer_graph_wrappers_per_plan_key(fake_flashinfer):
+    """A captured decode step gets a use_cuda_graph wrapper per (batch size, plan key), re-planned before
+    each replay; a model with one key keeps one wrapper per batch size."""
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4, dtype=torch.float32,
+              device=torch.device("cpu"))
+    ref, fi = TorchAttentionBackend(**kw), FlashInferAttentionBackend(**kw, workspace_mib=16)
+    for backend in (ref, fi):
+        backend.layer(0, sliding_window=6)
+        backend.layer(1)
+    rng = np.random.default_rng(3)
+    short, long = (make_layout(specs, 4, rng) for specs in ([(5, 1), (21, 1), (13, 1)], [(9, 1), (30, 1), (2, 1)]))
+    # a graph's block tables have a fixed width (the longest context it may see): 10 blocks here
+    short, long = (dataclasses.replace(x, block_tables=np.pad(x.block_tables,
+                                                              [(0, 0), (0, 10 - x.block_tables.shape[1])]))
+                   for x in (short, long))
+    meta = fi.build_graph_metadata(short)
+    wrappers = meta.extra["flashinfer_graph"]
+    assert list(wrappers) == [(6, None), (None, None)] and all(w.graph_rows == 3 for w in wrappers.values())
+    fi.update_graph_metadata(meta, long)
+    assert [w.plans for w in wrappers.values()] == [2, 2] and wrappers[6, None].window_left == 5
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 8, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    cache = torch.randn(ref.kv_cache_shape(NUM_BLOCKS))
+    ref_meta = ref.build_metadata(long)
+    for i in range(2):
+        want = ref.forward(q, k, v, cache.clone(), ref_meta, ref.layers[i])
+        torch.testing.assert_close(fi.forward(q, k, v, cache.clone(), meta, fi.layers[i]), want, rtol=2e-5, atol=2e-5)
+    assert fi.build_graph_metadata(long).extra["flashinfer_graph"] == wrappers  # same batch size: same wrappers
+
+
+def test_flashinfer_declares_window_and_soft_cap_but_no_sinks(fake_flashinfer, no_cuda):
+    ok = dict(device=CUDA, dtype=torch.bfloat16, head_size=128, block_size=16)
+    assert FlashInferAttentionBackend.validate(**ok, features=("sliding_window", "logits_soft_cap")) == []
+    assert FlashInferAttentionBackend.validate(**ok, features=ATTENTION_FEATURES) == [
+        "no attention sinks support (the model's layers need it)"]
+    fi = FlashInferAttentionBackend(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4,
+                                    dtype=torch.float32, device=torch.device("cpu"), workspace_mib=16)
+    with pytest.raises(ValueError, match="cannot run layer 3: no attention sinks support"):
+        fi.layer(3, sinks=torch.zeros(8))
+
+
+@pytest.fixture
+def fa_call_log():
+    fa_calls.clear()
+    yield fa_calls
+    fa_calls.clear()
+
+
+FA_VARIANTS = {**VARIANTS, "sinks": dict(sinks=torch.linspace(-1.0, 3.0, 8)),
+               "all-three": dict(sliding_window=13, logits_soft_cap=2.0, sinks=torch.linspace(-1.0, 3.0, 8))}
+
+
+@pytest.mark.parametrize("impl, block_size, layer", [
+    pytest.param(impl, block_size, layer, id=f"{impl}-{name}")
+    for impl, block_size in (("fa4", 16), ("fa3", 16), ("fa2", 256)) for name, layer in FA_VARIANTS.items()
+    if "sinks" not in layer or impl == "fa4"])  # sinks: FA4 only (test_flash_attn_sinks_need_fa4)
+def test_flash_attn_variants_reach_the_call_and_match_torch(monkeypatch, on_cpu, fa_call_log, impl, block_size,
+                                                             layer):
+    install_fake_flash_attn(monkeypatch, impl)
+    compare_with_torch(FlashAttnBackend, INTERLEAVED, block_size, layer=layer)
+    window = layer.get("sliding_window")
+    call = fa_call_log[-1]
+    assert call["window_size"] == ((window - 1, 0) if window is not None else (None, None) if impl == "fa4"
+                                   else (-1, -1))
+    assert call["softcap"] == layer.get("logits_soft_cap", 0.0)
+    assert call.get("learnable_sink") is layer.get("sinks")
+
+
+@pytest.mark.parametrize("impl", ["fa4", "fa3", "fa2"])
+def test_flash_attn_plain_layer_call_is_unchanged(monkeypatch, on_cpu, fa_call_log, impl):
+    install_fake_flash_attn(monkeypatch, impl)
+    compare_with_torch(FlashAttnBackend, DECODES_FIRST, 256 if impl == "fa2" else 16)
+    defaults = dict(window_size=(None, None) if impl == "fa4" else (-1, -1), softcap=0.0)
+    assert fa_call_log[-1] == (dict(defaults, learnable_sink=None) if impl == "fa4" else defaults)
+
+
+def test_flash_attn_sinks_need_fa4(monkeypatch, on_cpu, no_cuda):
+    ok = dict(device=CUDA, dtype=torch.bfloat16, head_size=128, block_size=16)
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=16, dtype=torch.float32,
+              device=torch.device("cpu"))
+    install_fake_flash_attn(monkeypatch, "fa4")
+    assert FlashAttnBackend.validate(**ok, features=ATTENTION_FEATURES) == []
+    assert FlashAttnBackend(**kw).layer(0, sinks=torch.zeros(8)).sinks is not None
+    install_fake_flash_attn(monkeypatch, "fa3")
+    assert FlashAttnBackend.validate(**ok, features=("sliding_window", "logits_soft_cap")) == []
+    assert FlashAttnBackend.validate(**ok, features=ATTENTION_FEATURES) == [
+        "flash_attn fa3 takes no attention sinks (FA4's learnable_sink only)"]
+    backend = FlashAttnBackend(**kw)
+    with pytest.raises(ValueError, match="cannot run layer 2: no attention sinks support in flash_attn fa3"):
+        backend.layer(2, sinks=torch.zeros(8))
+    assert backend.layers == {}
 
 
 @pytest.mark.parametrize("impl, block_size", [("fa4", 16), ("fa3", 16), ("fa2", 256)])
@@ -352,7 +569,8 @@ def test_flashinfer_reads_an_fp8_cache_with_its_layers_scales(fake_flashinfer, s
     got = fi.forward(q, k, v, caches[1], fi.build_metadata(layout))
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
-    assert fi._prefill.kv_dtype == fi._decode.kv_dtype == FP8
+    prefill, decode = fi._wrappers[None, None]
+    assert prefill.kv_dtype == decode.kv_dtype == FP8
 
 
 def test_flash_attn_refuses_an_fp8_cache(pm, monkeypatch, no_cuda):

@@ -1,4 +1,5 @@
-"""A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter and an executor."""
+"""A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter, an executor,
+a quantization method and a model architecture (Granite)."""
 import kvforge
 
 
@@ -30,3 +31,8 @@ def register_quantization_methods(register):
 @kvforge.hookimpl
 def register_executors(register):
     register("dummy_counting", "kvforge_dummy_plugin.components:CountingExecutor")
+
+
+@kvforge.hookimpl
+def register_models(register):
+    register("GraniteForCausalLM", "kvforge_dummy_plugin.granite:GraniteForCausalLM")

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.attention import PLAIN_LAYER
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
 from kvforge.executor import UniExecutor
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
@@ -15,9 +16,9 @@ class CountingAttention(TorchAttentionBackend):
     name = "dummy_attn"
     forward_calls = 0
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, layer=PLAIN_LAYER):
         type(self).forward_calls += 1
-        return super().forward(q, k, v, kv_cache, meta)
+        return super().forward(q, k, v, kv_cache, meta, layer)
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""Tiny random Hugging Face models of each supported architecture, built offline by transformers from a
+small config (no download) and saved as safetensors: shared by the architecture tests and the template
+in docs/adding_a_model.md."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+VOCAB = 128
+WINDOW = 24  # shorter than the test prompts: sliding-window layers really slide
+
+_BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                             rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                             tie_word_embeddings=False)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+_MOE: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+#: test id -> (model_type, config fields over _BASE)
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral-window": ("mistral", dict(sliding_window=WINDOW)),
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, layer_types=_ALTERNATING, query_pre_attn_scalar=32,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=4, sliding_window=WINDOW, layer_types=_ALTERNATING * 2,
+                                   query_pre_attn_scalar=16, tie_word_embeddings=True,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1000000.0}})),
+    # LongRoPE switches to its long factors once a sequence is longer than original_max_position_embeddings;
+    # a forward without a cache (the reference) then re-rotates every earlier key too, a cached engine
+    # cannot: so one config is always past the switch (long factors), the other never (short factors)
+    "phi3-longrope-long": ("phi3", dict(original_max_position_embeddings=4,
+                                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                         "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                                         "original_max_position_embeddings": 4})),
+    "phi4-mini-longrope-short-partial-rotary": (
+        "phi3", dict(original_max_position_embeddings=256, tie_word_embeddings=True,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                      "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                      "long_factor": [2.0 + 0.5 * i for i in range(6)],
+                                      "original_max_position_embeddings": 256})),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                    mlp_only_layers=[1], **_MOE)),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, norm_topk_prob=True, **_MOE)),
+    "gpt-oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                layer_types=_ALTERNATING, intermediate_size=32,
+                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
+}
+
+
+def build(test_id: str, path: str, seed: int = 0) -> torch.nn.Module:
+    """Build the transformers model of ``CONFIGS[test_id]`` with every weight perturbed (norms, biases,
+    sinks and routers too, so that all of it is tested), save it to ``path``; returns it in float32."""
+    model_type, fields = CONFIGS[test_id]
+    config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **fields})
+    config._attn_implementation = "eager"  # soft-capping and sinks are eager-only in some versions
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model

@@ -1,0 +1,92 @@
+"""Every built-in architecture against transformers ``generate``: a tiny random model of each, saved by
+transformers and loaded by kvforge, gives the same greedy tokens for every prompt (float32, CPU), with
+prefix caching, chunked prefill and preemption all happening, and prompts longer than the window of
+the sliding-window models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge import LLM, SamplingParams
+from model_architectures import CONFIGS, VOCAB, WINDOW, build
+
+MAX_TOKENS = 20
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, VOCAB, (36,), generator=g).tolist()  # two full blocks of 16 shared
+    tails = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 21)]
+    others = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 47, 70)]
+    prompts = [shared + tails[0], shared + tails[1], *others]
+    assert max(len(p) for p in prompts) > 2 * WINDOW
+    return prompts
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def arch(request, tmp_path_factory):
+    """(test id, saved model directory, transformers' greedy continuations)."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = build(request.param, path)
+    return request.param, path, [greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@torch.no_grad()
+def greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, one whole forward per token (no KV cache).
+
+    NOTE: not ``generate``: on these random models it picked a token other than the forward's argmax
+    (logit gap 0.05) after a run of repeats, with and without its cache; the argmax of the model's own
+    forward is the definition both engines implement."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_greedy_tokens_equal_transformers_with_caching_chunking_and_preemption(arch, check_no_blocks):
+    test_id, path, refs = arch
+    # 16-token blocks, 32-token chunks, a pool too small for every prompt at once
+    llm = LLM(model=path, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=32,
+              num_gpu_blocks_override=12, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for i, (o, ref) in enumerate(zip(outs, refs)):
+        assert o.outputs[0].token_ids == ref, f"{test_id}: prompt {i}"
+    stats = llm.llm_engine.get_stats()
+    assert stats["prefix_cache_hits"] >= 32, stats  # the second prompt reused the first one's two blocks
+    if llm.llm_engine.kv_cache.sliding_window is None:
+        assert stats["num_preemptions"] > 0, stats
+    check_no_blocks(llm.llm_engine)
+    # run again: everything a prompt shares with the first run comes from the prefix cache
+    again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == refs[:2]
+    check_no_blocks(llm.llm_engine)
+
+
+@pytest.mark.parametrize("test_id,parallel", [
+    ("gpt-oss", dict(tensor_parallel_size=2)),  # experts, sinks, biases split over two gloo ranks
+    ("qwen2-moe", dict(tensor_parallel_size=2)),  # shared expert and a dense layer too
+    ("gemma3", dict(pipeline_parallel_size=2)),  # Gemma's stages hand over their hidden states
+])
+def test_split_over_two_ranks_the_tokens_stay_transformers(test_id, parallel, tmp_path, check_no_blocks):
+    hf = build(test_id, str(tmp_path))
+    prompts = PROMPTS[1:4]
+    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=32,
+              num_gpu_blocks_override=24, **parallel)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert llm.llm_engine.executor.world_size == 2
+        assert [o.outputs[0].token_ids for o in outs] == [greedy(hf, p, 12) for p in prompts]
+        check_no_blocks(llm.llm_engine)
+    finally:
+        llm.shutdown()
+
+
+def test_quantizing_an_moe_model_is_refused_naming_the_method(tmp_path):
+    build("mixtral", str(tmp_path))
+    with pytest.raises(ValueError, match="quantization 'fp8' does not support mixture-of-experts layers"):
+        LLM(model=str(tmp_path), device="cpu", dtype="float32", quantization="fp8")

@@ -1,0 +1,46 @@
+"""A model architecture added by a third-party package (the dummy plugin's Granite, the template of
+docs/adding_a_model.md): registered by name, listed by `kvforge models`, and token for token transformers'."""
+import json
+import subprocess
+import sys
+
+import torch
+import transformers
+
+from kvforge import LLM, SamplingParams
+
+
+@torch.no_grad()
+def greedy(hf, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_third_party_granite_equals_transformers(dummy_plugin_installed, tmp_path, check_no_blocks):
+    config = transformers.GraniteConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        embedding_multiplier=6.0, attention_multiplier=0.2, residual_multiplier=0.3,
+                                        logits_scaling=4.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.GraniteForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 19, 40, 33)]
+    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", max_num_batched_tokens=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [greedy(hf, p, 16) for p in prompts]
+    check_no_blocks(llm.llm_engine)
+
+
+def test_kvforge_models_lists_the_third_party_architecture(dummy_plugin_installed):
+    out = subprocess.run([sys.executable, "-m", "kvforge.cli", "models", "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    rows = {r["architecture"]: r for r in json.loads(out)}
+    assert rows["GraniteForCausalLM"]["plugin"] == "dummy"
+    assert rows["GraniteForCausalLM"]["class"] == "kvforge_dummy_plugin.granite:GraniteForCausalLM"
+    assert rows["LlamaForCausalLM"]["sliding_window"] is True and rows["MixtralForCausalLM"]["moe"] is True
