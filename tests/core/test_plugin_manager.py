@@ -222,7 +222,7 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
                                             "logits_processor": ["fault"], "drafter": ["dummy_repeat"],
                                             "executor": ["dummy_counting"],
-                                            "quantization_method": ["dummy_int8"]}
+                                            "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
     assert report["quantization"]["registers"] == {
         "quantization_method": ["fp8", "int4", "awq", "gptq", "compressed-tensors"]}
