@@ -50,7 +50,9 @@ def select_attention_backend(pm: PluginManager, name: str, *, device: torch.devi
     (``kv_cache_dtype``: the KV cache's element type, None for the model dtype; ``features``: the
     per-layer attention variants the model needs, ``ModelConfig.attention_features``)."""
     setup = dict(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
-                 kv_cache_dtype=kv_cache_dtype, features=features)
+                 kv_cache_dtype=kv_cache_dtype)
+    if features:  # only then: a backend's validate written before the argument existed keeps working
+        setup["features"] = features
     if name != "auto":
         cls = pm.get("attention_backend", name)
         reasons = cls.validate(**setup)

@@ -70,12 +70,16 @@ class LLMEngine:
 
     def _kv_sliding_window(self, mc: Any) -> int | None:
         """The window the KV manager may free blocks behind: the model's, when every layer has one and
-        so does a draft model that shares the block ids."""
-        window = mc.kv_sliding_window
+        no draft model shares the block ids (its catch-up reads and writes positions of its own,
+        which may lie behind the window)."""
         draft = getattr(self.spec.drafter, "model_config", None) if self.spec is not None else None
-        if window is not None and draft is not None:
-            window = None if draft.kv_sliding_window is None else max(window, draft.kv_sliding_window)
-        return window
+        return None if draft is not None else mc.kv_sliding_window
+
+    def _kv_window_arg(self, mc: Any) -> dict[str, Any]:
+        """``sliding_window=`` for the KV manager, only when there is one: a manager written before the
+        argument existed keeps working for every other model."""
+        window = self._kv_sliding_window(mc)
+        return {} if window is None else {"sliding_window": window}
 
     def _build_executor(self, pm: Any, config: EngineConfig, mc: Any) -> Executor:
         """The executor named by ``distributed_executor_backend`` (default: vLLM's rule), with its ranks built."""
@@ -141,7 +145,7 @@ class LLMEngine:
         num_cpu_blocks = min(executor.collective_rpc("initialize_swap_space", config.swap_space))
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                  num_cpu_blocks=num_cpu_blocks, sliding_window=self._kv_sliding_window(mc))
+                                  num_cpu_blocks=num_cpu_blocks, **self._kv_window_arg(mc))
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)

@@ -308,10 +308,10 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window
         if self.model_type in QWEN_MODEL_TYPES:
             d["use_sliding_window"] = self.sliding_window is not None
-            d["max_window_layers"] = (self.layer_types.index(SLIDING) if self.layer_types and SLIDING in self.layer_types
-                                      else self.num_hidden_layers)
         if self.layer_types is not None:
             d["layer_types"] = list(self.layer_types)
+        elif self.sliding_window is not None and self.model_type in QWEN_MODEL_TYPES:
+            d["layer_types"] = [SLIDING] * self.num_hidden_layers  # not transformers' default rule
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
@@ -347,8 +347,10 @@ def _layer_types(d: dict[str, Any], model_type: str, window: int | None) -> list
     n = d["num_hidden_layers"]
     if d.get("layer_types"):
         types = list(d["layer_types"])
-    elif model_type in QWEN_MODEL_TYPES:  # the top layers from max_window_layers on
-        types = [SLIDING if i >= d.get("max_window_layers", 0) else FULL for i in range(n)]
+    elif model_type in ("qwen2", "qwen3"):  # the layers from max_window_layers on
+        types = [SLIDING if i >= d.get("max_window_layers", 28) else FULL for i in range(n)]
+    elif model_type == "qwen2_moe":  # even layers below max_window_layers
+        types = [SLIDING if i % 2 == 0 and i < d.get("max_window_layers", 28) else FULL for i in range(n)]
     elif model_type in ("gemma2", "gpt_oss"):  # alternating, sliding first
         types = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
     elif model_type == "gemma3_text":  # every sliding_window_pattern-th layer is global

@@ -159,11 +159,15 @@ class ExpertBlocks:
         return self.block_expert.shape[0]
 
 
-#: up to this many pairs, :func:`align_pairs` is one Triton program; beyond, torch's sort and ~25 small
-#: kernels. Measured in CUDA graphs on the H100 (benchmarks/fused_moe.py): torch's ops take 36-78 us
-#: at any size, the program 4-6 us up to 64 pairs and 40 us at 1024 with E = 128 (144 us at 4096).
-#: At Qwen3-30B-A3B's T = 1 this halved the whole call (78 -> 41 us).
-ALIGN_KERNEL_MAX_PAIRS = 1024
+#: up to this many pairs, :func:`align_pairs` is one Triton program (a stable order); beyond, three
+#: kernels over chunks of pairs (:func:`_align_pairs_parallel`); torch's sort and ~25 small kernels
+#: only off the GPU. Measured in CUDA graphs (benchmarks/fused_moe.py): torch's ops take 36-78 us at
+#: any size; the one program 4-6 us up to 64 pairs but 40 us at 1024 with E = 128, so past 128 pairs
+#: the parallel kernels take over: on the H200 they cut Qwen3-30B-A3B's whole call at 256 tokens
+#: (2,048 pairs) from 371 to 312 us, and its W1 from 6,725 to 7,392 tok/s.
+ALIGN_KERNEL_MAX_PAIRS = 128
+#: pairs each program of the parallel alignment takes
+ALIGN_PARALLEL_CHUNK = 256
 #: pairs one step of the alignment program takes (its one-hot tile: ALIGN_CHUNK x experts)
 ALIGN_CHUNK = 64
 
@@ -178,9 +182,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     num_blocks = -(-worst // block_m)
     if use_kernel is None:
-        use_kernel = 0 < num_pairs <= ALIGN_KERNEL_MAX_PAIRS and use_triton(topk_ids)
-    if use_kernel:
+        use_kernel = num_pairs > 0 and use_triton(topk_ids)
+    if use_kernel and num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
         return _align_pairs_kernel(topk_ids, num_experts, block_m, num_blocks)
+    if use_kernel:
+        return _align_pairs_parallel(topk_ids, num_experts, block_m, num_blocks)
     device = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int32)
     sorted_ids, order = torch.sort(ids, stable=True)
@@ -208,6 +214,30 @@ def _align_pairs_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     kernels["align"][(1,)](topk_ids.reshape(-1), sorted_pairs, block_expert, num_padded, topk_ids.numel(),
                            num_experts, num_blocks, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts),
                            CHUNK=ALIGN_CHUNK, num_warps=4)
+    return ExpertBlocks(sorted_pairs, block_expert, num_padded, block_m)
+
+
+def _align_pairs_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> ExpertBlocks:
+    """align_pairs for many pairs, in parallel: count them per expert with atomics (each pair's old
+    count is its rank in its expert), lay out the blocks from the counts in one program, then scatter
+    every pair to its expert's start plus its rank. The order within an expert is the atomics' (not
+    stable): each pair's row is computed on its own, so the output does not depend on it."""
+    triton, kernels = _triton()
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    counts = torch.zeros((num_experts,), dtype=torch.int32, device=device)
+    rank = torch.empty((num_pairs,), dtype=torch.int32, device=device)
+    start = torch.empty((num_experts,), dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
+    block_expert = torch.empty((num_blocks,), dtype=torch.int32, device=device)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    grid = (triton.cdiv(num_pairs, ALIGN_PARALLEL_CHUNK),)
+    kernels["align_count"][grid](ids, counts, rank, num_pairs, CHUNK=ALIGN_PARALLEL_CHUNK)
+    kernels["align_layout"][(1,)](counts, start, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
+                                  num_blocks, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts),
+                                  CHUNK=ALIGN_CHUNK, FILL=1024, num_warps=4)
+    kernels["align_scatter"][grid](ids, rank, start, sorted_pairs, num_pairs, CHUNK=ALIGN_PARALLEL_CHUNK)
     return ExpertBlocks(sorted_pairs, block_expert, num_padded, block_m)
 
 
@@ -463,4 +493,43 @@ def _build_kernels(triton, tl):
             tl.store(pairs_ptr + dest, offs, mask=offs < num_pairs)
             next_row += tl.sum(onehot, axis=0)
 
-    return {"gate_up": gate_up_kernel, "down": down_kernel, "align": align_kernel}
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr):
+        """Count each chunk's pairs per expert; a pair's rank in its expert is the count it found."""
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+        rank = tl.atomic_add(counts_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")
+        tl.store(rank_ptr + offs, rank, mask=ok)
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+    def align_layout_kernel(counts_ptr, start_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                            num_experts, num_blocks, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
+                            CHUNK: tl.constexpr, FILL: tl.constexpr):
+        """From the counts: each expert's first row, every block's expert, and padding in every row."""
+        experts = tl.arange(0, EXPERTS)
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        padded_end = tl.cumsum(padded, axis=0)
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+        tl.store(start_ptr + experts, padded_end - padded, mask=experts < num_experts)
+        for b0 in range(0, num_blocks, CHUNK):
+            blocks = b0 + tl.arange(0, CHUNK)
+            ended = tl.sum((padded_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + blocks, tl.minimum(ended, num_experts), mask=blocks < num_blocks)
+        for r0 in range(0, num_blocks * BLOCK_M, FILL):
+            rows = r0 + tl.arange(0, FILL)
+            tl.store(pairs_ptr + rows, tl.full([FILL], 0, tl.int32) + num_pairs, mask=rows < num_blocks * BLOCK_M)
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def align_scatter_kernel(ids_ptr, rank_ptr, start_ptr, pairs_ptr, num_pairs, CHUNK: tl.constexpr):
+        """Each pair to its expert's first row plus its rank (the padding is already written)."""
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+        dest = tl.load(start_ptr + ids, mask=ok, other=0) + tl.load(rank_ptr + offs, mask=ok, other=0)
+        tl.store(pairs_ptr + dest, offs.to(tl.int32), mask=ok)
+
+    return {"gate_up": gate_up_kernel, "down": down_kernel, "align": align_kernel,
+            "align_count": align_count_kernel, "align_layout": align_layout_kernel,
+            "align_scatter": align_scatter_kernel}

@@ -137,7 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
             scores = torch.tanh(scores / cap) * cap
         scores = scores.masked_fill(~mask, float("-inf"))
         if layer.sinks is not None:  # one more logit per head in each row's denominator
-            sink = layer.sinks.float().reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            sink = layer.sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)

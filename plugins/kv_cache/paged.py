@@ -96,7 +96,9 @@ class PagedKVCacheManager(KVCacheManager):
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
                 block.hash, block.tokens = h, tokens
-                block.parent = table[i - 1] if i else None
+                # a parent given back behind the window: the block its hash still names, if cached
+                block.parent = (None if not i else table[i - 1] if table[i - 1] != NULL_BLOCK
+                                else self.cached.get(hashes[i - 1]))
                 self.cached[h] = block.block_id
         self.num_hashed[rid] = max(start, num_tokens // bs)
 

@@ -257,3 +257,18 @@ def test_default_gguf_matches_transformers():
         expected = hf(input_ids=torch.tensor([tokens])).logits[0].float()
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
     assert logits[-1].argmax() == expected[-1].argmax()
+
+
+def test_qwen_sliding_layers_follow_transformers_and_round_trip():
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    c = ModelConfig.from_hf_dict({**base, "model_type": "qwen2"})  # windows from max_window_layers on
+    assert [c.window_of(i) for i in range(4)] == [None, None, 16, 16]
+    c = ModelConfig.from_hf_dict({**base, "model_type": "qwen2_moe"})  # even layers below it
+    assert [c.window_of(i) for i in range(4)] == [16, None, None, None]
+    c = ModelConfig.from_hf_dict({**base, "model_type": "qwen3_moe"})  # every layer
+    assert c.kv_sliding_window == 16
+    for model_type in ("qwen2", "qwen3", "qwen3_moe"):  # an all-sliding config stays all-sliding
+        c = ModelConfig.from_hf_dict({**base, "model_type": model_type, "max_window_layers": 0})
+        again = ModelConfig.from_hf_dict(c.to_hf_dict())
+        assert [again.window_of(i) for i in range(4)] == [c.window_of(i) for i in range(4)] == [16] * 4, model_type

@@ -118,3 +118,11 @@ def test_a_backend_without_sliding_windows_is_refused_for_a_windowed_model():
                                         block_size=16, features=frozenset({"sliding_window"}))[0] == "torch"
     finally:
         pm.registries["attention_backend"]._entries.pop("no_window")
+
+
+def test_a_draft_model_sharing_the_block_ids_keeps_every_block(mistral_dir):
+    """The draft model's catch-up reads positions of its own, which may lie behind the window."""
+    path, _ = mistral_dir
+    llm = LLM(model=path, device="cpu", dtype="float32", block_size=16, num_gpu_blocks_override=64,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    assert llm.llm_engine.kv_cache.sliding_window is None
