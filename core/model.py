@@ -29,6 +29,17 @@ class ModelCapabilities:
 DEFAULT_CAPABILITIES = ModelCapabilities(tensor_parallel=False, pipeline_parallel=False, quantization=False)
 
 
+def attention_features(cls: type, config: ModelConfig) -> frozenset[str]:
+    """The per-layer attention variants a model of class ``cls`` built from ``config`` needs: what the
+    config says (``ModelConfig.attention_features``: windows, Gemma 2's soft cap, gpt-oss's sinks) and
+    what the class adds for configs kvforge does not know, through an optional classmethod
+    ``attention_features(config) -> iterable of kvforge.attention.ATTENTION_FEATURES names`` (a
+    third-party model with sinks or a soft cap declares them there, so that ``auto`` picks a backend
+    that has them)."""
+    extra = getattr(cls, "attention_features", None)
+    return config.attention_features | frozenset(extra(config) if callable(extra) else ())
+
+
 def capabilities_of(cls: type) -> ModelCapabilities:
     """``cls.capabilities`` (a :class:`ModelCapabilities`), or the conservative default."""
     caps = getattr(cls, "capabilities", None)

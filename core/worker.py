@@ -90,9 +90,12 @@ class Worker:
         dtype = config.torch_dtype
         pm = get_plugin_manager()
         kv_cache_dtype = config.torch_kv_cache_dtype
+        from kvforge.model import attention_features
+
         self.attn_name, self.attn_cls = select_attention_backend(
             pm, config.attention_backend, device=self.device, dtype=dtype, head_size=mc.head_dim,
-            block_size=config.block_size, kv_cache_dtype=kv_cache_dtype, features=mc.attention_features)
+            block_size=config.block_size, kv_cache_dtype=kv_cache_dtype,
+            features=attention_features(pm.get("model", mc.architecture), mc))
         shard = parallel_state.head_shard(mc.num_attention_heads, mc.num_key_value_heads, self.group.size, self.group.rank)
         self.attn = component(pm, "attention_backend", self.attn_name, config, num_heads=shard.num_heads,
                               num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.attention_scale,

@@ -22,6 +22,7 @@ from kvforge.attention import BatchLayout
 from kvforge.builder import select_attention_backend
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
 from kvforge.input_buffers import HostInputs, h2d
+from kvforge.model import attention_features
 from kvforge.model_loader import load_model, load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
 
@@ -58,7 +59,8 @@ class DraftModelDrafter(Drafter):
                              f"{mc.vocab_size} tokens and the target {self.vocab_size}; they must share one")
         name, cls = select_attention_backend(get_plugin_manager(), attention_backend, device=self.device,
                                              dtype=self.dtype, head_size=mc.head_dim, block_size=self.block_size,
-                                             features=mc.attention_features)
+                                             features=attention_features(get_plugin_manager().get(
+                                                 "model", mc.architecture), mc))
         self.attn = cls(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim,
                         scale=mc.attention_scale, block_size=self.block_size, dtype=self.dtype, device=self.device)
         pm = get_plugin_manager()

@@ -44,3 +44,21 @@ def test_kvforge_models_lists_the_third_party_architecture(dummy_plugin_installe
     assert rows["GraniteForCausalLM"]["plugin"] == "dummy"
     assert rows["GraniteForCausalLM"]["class"] == "kvforge_dummy_plugin.granite:GraniteForCausalLM"
     assert rows["LlamaForCausalLM"]["sliding_window"] is True and rows["MixtralForCausalLM"]["moe"] is True
+
+
+def test_a_model_class_adds_the_attention_features_its_config_cannot_say():
+    """A third-party model with sinks (or a soft cap) in a config kvforge does not know declares them, so
+    that backend selection honours them: the class's features join the config's."""
+    from kvforge.model import attention_features
+    from kvforge.model_config import ModelConfig
+
+    class WithSinks:
+        @classmethod
+        def attention_features(cls, config):
+            return {"attention_sinks"}
+
+    mc = ModelConfig.from_preset("tiny")
+    assert attention_features(WithSinks, mc) == {"attention_sinks"}
+    assert attention_features(object, mc) == frozenset()
+    windowed = ModelConfig(**{**mc.to_dict(), "sliding_window": 8})
+    assert attention_features(WithSinks, windowed) == {"attention_sinks", "sliding_window"}
