@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from kvforge.sampling_params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "hookimpl",
-           "RequestOutput", "CompletionOutput", "EngineConfig", "LLMEngine"]
+           "RequestOutput", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest"]
 
 
 def __getattr__(name):  # keep `import kvforge` light: torch-heavy parts load on first use
@@ -25,6 +25,9 @@ def __getattr__(name):  # keep `import kvforge` light: torch-heavy parts load on
     if name == "EngineConfig":
         from kvforge.config import EngineConfig
         return EngineConfig
+    if name == "LoRARequest":
+        from kvforge.lora.request import LoRARequest
+        return LoRARequest
     if name == "LLMEngine":
         from kvforge.engine import LLMEngine
         return LLMEngine

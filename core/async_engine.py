@@ -15,6 +15,7 @@ exception that escapes a step is device-wide: the engine is dead, every stream r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -97,7 +98,7 @@ class AsyncLLMEngine(StreamingFront):
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Validate and queue a request (``ValueError`` naming the field for bad input) and return the
         async iterator of its output deltas. Closing the iterator early aborts the request.
 
@@ -105,7 +106,7 @@ class AsyncLLMEngine(StreamingFront):
         """
         self._check_alive()
         parent, children = await asyncio.to_thread(self.engine.process_inputs, request_id, prompt, params,
-                                                   priority=priority, stream_deltas=True)
+                                                   priority=priority, stream_deltas=True, lora_request=lora_request)
         # the engine may have died meanwhile: then nothing would ever answer
         q = self.streams.open(request_id, self._check_alive)
         self._send(("add", parent, children))
@@ -113,6 +114,25 @@ class AsyncLLMEngine(StreamingFront):
 
     def _abort_in_engine(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    # -- LoRA adapters: run on the engine thread, between steps (blocking: call from a worker thread) ----
+    def add_lora(self, lora_request: Any) -> bool:
+        """Register an adapter on every rank (``LLMEngine.add_lora``); ``ValueError`` if it is bad."""
+        return self._on_engine_thread(self.engine.add_lora, lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._on_engine_thread(self.engine.remove_lora, lora_int_id)
+
+    def list_loras(self) -> list:
+        return self._on_engine_thread(self.engine.list_loras)
+
+    def _on_engine_thread(self, fn: Any, *args: Any) -> Any:
+        if self._thread is None or not self._thread.is_alive():
+            return fn(*args)
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, args, future))
+        return future.result()
 
     def _send(self, message: tuple) -> None:
         self._inbox.put(message)
@@ -148,6 +168,14 @@ class AsyncLLMEngine(StreamingFront):
                     self._emit([(parent.request_id, RequestFailedError(failure))])
             elif message[0] == "abort":
                 self.engine.abort_request(message[1])
+            elif message[0] == "call":
+                _, fn, args, future = message
+                try:
+                    future.set_result(fn(*args))
+                except Exception as exc:  # the caller's error (a bad adapter), unless the device failed
+                    future.set_exception(exc)
+                    if is_device_error(exc):
+                        raise
 
     def _run(self) -> None:
         try:

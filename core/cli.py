@@ -42,6 +42,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-dtype", dict(default=None, choices=["auto", "fp8", "fp8_e4m3"],
                               help="KV cache element type: auto (the model dtype) or fp8 (e4m3 with per-layer "
                                    "scales: twice the blocks in the same memory)")),
+    ("--max-loras", dict(type=int, default=None, help="most LoRA adapters one step may run (1)")),
+    ("--max-lora-rank", dict(type=int, default=None, help="largest LoRA rank accepted (16)")),
+    ("--max-cpu-loras", dict(type=int, default=None, help="LoRA adapters kept in host memory (max-loras)")),
     ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),
                                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
                                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')),
@@ -68,12 +71,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                         help="schedule the next step while the GPU runs the current one (default: on CUDA only)")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    parser.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None,
+                        help="serve LoRA adapters next to the base model (docs/lora.md)")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching", "enforce_eager", "async_scheduling"]
+    keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching", "enforce_eager", "async_scheduling",
+                                                           "enable_lora"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -82,6 +82,12 @@ class EngineConfig:
     kv_cache_dtype: ``auto`` (the model dtype) or ``fp8`` (alias ``fp8_e4m3``): K/V stored as FP8 e4m3
         with a float32 scale per layer for K and one for V (from the checkpoint, else 1.0), half the
         bytes of a bf16 cache, so twice the blocks in the same memory (docs/quantization.md#fp8-kv-cache).
+    enable_lora: serve LoRA adapters (``LoRARequest``) next to the base model (docs/lora.md).
+    max_loras: the most adapters one step may run (device slots for adapter weights; the scheduler
+        admits no request whose adapter would make more).
+    max_lora_rank: the largest adapter rank accepted (the slots are sized for it).
+    max_cpu_loras: adapters kept in host memory for quick return to a slot (least recently used go);
+        None: ``max_loras``.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -117,6 +123,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,8 +138,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "max_n",
-                     "grammar_cache_size", "tensor_parallel_size", "pipeline_parallel_size"):
+                     "grammar_cache_size", "tensor_parallel_size", "pipeline_parallel_size", "max_loras",
+                     "max_lora_rank"):
             positive_int(name)
+        positive_int("max_cpu_loras", allow_none=True)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.distributed_executor_backend is not None and not isinstance(self.distributed_executor_backend, str):
             raise ValueError(f"distributed_executor_backend must be an executor name, got "
                              f"{self.distributed_executor_backend!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -63,9 +63,11 @@ class CUDAGraphRunner:
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
                  max_num_seqs: int, max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,),
-                 verify_head: bool = False):
+                 verify_head: bool = False, before_capture: Callable[[int], None] | None = None):
         """``verify_head``: verification graphs (q > 1, at most ``MAX_VERIFY_HEAD_TOKENS`` tokens) also
-        compute the logits and verify the drafts greedily (:meth:`head`)."""
+        compute the logits and verify the drafts greedily (:meth:`head`). ``before_capture(rows)``:
+        called before each graph of ``rows`` rows is warmed up and captured (LoRA sizes its kernels)."""
+        self.before_capture = before_capture
         self.model, self.attn, self.kv_caches = model, attn, kv_caches
         self.verify_head = verify_head
         self.device = device
@@ -92,6 +94,8 @@ class CUDAGraphRunner:
             meta = self.attn.build_graph_metadata(uniform_layout(n, q, self.max_blocks))
             ids, pos = self.input_ids[:n * q], self.positions[:n * q]
             with_head = self.verify_head and q > 1 and n * q <= MAX_VERIFY_HEAD_TOKENS
+            if self.before_capture is not None:
+                self.before_capture(n * q)
             for _ in range(2):  # warm up: autotuning, lazy allocations
                 hidden = self.model(ids, pos, self.kv_caches, meta)
                 if with_head:

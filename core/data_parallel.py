@@ -33,9 +33,19 @@ class ReplicaActor:
     def info(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int):
-        async for out in self.engine.generate(prompt, params, request_id, priority):
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int,
+                       lora_request: Any = None):
+        async for out in self.engine.generate(prompt, params, request_id, priority, lora_request=lora_request):
             yield out
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list:
+        return self.engine.list_loras()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -105,6 +115,22 @@ class DataParallelEngine:
         except self._ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
 
+    def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
+        try:
+            return self._ray.get([getattr(r, method).remote(*args) for r in self.replicas])
+        except self._ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Register a LoRA adapter on every replica; ``ValueError`` if it is bad."""
+        return any(self._on_every_replica("add_lora", lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any(self._on_every_replica("remove_lora", lora_int_id))
+
+    def list_loras(self) -> list:
+        return self._on_every_replica("list_loras")[0]
+
     def get_stats(self) -> dict[str, Any]:
         """The replicas' counters added up (usage: their mean), plus each replica's routed requests."""
         parts = self._ray.get([r.stats.remote() for r in self.replicas], timeout=10)
@@ -159,7 +185,7 @@ class DataParallelEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Send the request to the least busy replica; ``ValueError`` naming the field for bad input
         (the replica validates it, and its first answer is awaited here)."""
         if self.error is not None:
@@ -167,7 +193,8 @@ class DataParallelEngine:
         i = min(range(self.size), key=lambda k: (self.in_flight[k], self.routed[k]))
         self.in_flight[i] += 1
         self.routed[i] += 1
-        gen = self.replicas[i].generate.options(num_returns="streaming").remote(prompt, params, request_id, priority)
+        gen = self.replicas[i].generate.options(num_returns="streaming").remote(prompt, params, request_id, priority,
+                                                                                  lora_request)
         try:
             first = await self._next(gen)
         except BaseException:
@@ -176,8 +203,8 @@ class DataParallelEngine:
         return self._stream(i, request_id, gen, first)
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        async for out in await self.add_request(prompt, params, request_id, priority):
+                       priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        async for out in await self.add_request(prompt, params, request_id, priority, lora_request):
             yield out
 
     async def _next(self, gen: Any) -> RequestOutput | None:

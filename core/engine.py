@@ -17,6 +17,8 @@ from kvforge.drafter import Drafter
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.executor import Executor, default_backend
 from kvforge.input_checks import bad_words_token_ids, check_request, tokenize_prompt
+from kvforge.lora.registry import LoRARegistry, check_lora_request
+from kvforge.lora.request import LoRARequest
 from kvforge.model_loader import load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
 from kvforge.output_processor import OutputProcessor, ParentState
@@ -146,9 +148,13 @@ class LLMEngine:
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   num_cpu_blocks=num_cpu_blocks, **self._kv_window_arg(mc))
+        # max_loras only with LoRA on: a scheduler written before it existed keeps working without
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len)
+                                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
+                                   **({"max_loras": config.max_loras} if config.enable_lora else {}))
+        self.lora = (LoRARegistry(config, executor, lambda: {r.lora_int_id for r in self.scheduler.requests.values()})
+                     if config.enable_lora else None)
         self.attn_backend_name = attn_name
         self.num_blocks = num_blocks
         self.outputs = OutputProcessor(self.tokenizer)
@@ -210,12 +216,13 @@ class LLMEngine:
 
     def process_inputs(self, request_id: str | None, prompt: str | list[int] | dict,
                        params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                       priority: int = 0, stream_deltas: bool = False,
-                       final_only: bool = False) -> tuple[ParentState, list[Request]]:
+                       priority: int = 0, stream_deltas: bool = False, final_only: bool = False,
+                       lora_request: LoRARequest | None = None) -> tuple[ParentState, list[Request]]:
         """Tokenize and validate a request without touching the scheduler (safe from another thread).
 
         ``stream_deltas``: each output holds only what is new; ``final_only``: only the finished
-        output is reported. Raises ``ValueError`` naming the field for bad input.
+        output is reported; ``lora_request``: the adapter to run under (``enable_lora``). Raises
+        ``ValueError`` naming the field for bad input.
         """
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -224,6 +231,7 @@ class LLMEngine:
         check_request(ids, params, config=self.config, vocab_size=self.model_config.vocab_size,
                       max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                       logits_processors=self.plugin_manager.names("logits_processor"))
+        lora_request = check_lora_request(self.config, lora_request)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         room = self.max_model_len - len(ids)
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
@@ -239,7 +247,7 @@ class LLMEngine:
                     child_params.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, prompt=text, priority=priority,
-                          max_tokens=min(params.max_tokens or room, room))
+                          max_tokens=min(params.max_tokens or room, room), lora_request=lora_request)
             if params.bad_words:
                 req.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             if params.structured_outputs is not None:
@@ -266,6 +274,8 @@ class LLMEngine:
         for rid in (parent.request_id, *(r.request_id for r in children)):
             if rid in self.outputs.parents or rid in self.outputs.seqs or rid in self.scheduler.requests:
                 raise ValueError(f"request_id: {rid!r} is already in use")
+        if children and children[0].lora_request is not None:  # registered on the ranks on first use
+            self.lora.ensure(children[0].lora_request)
         for req in children:
             self.scheduler.add(req)
             if req.grammar is not None and not req.grammar.usable:
@@ -278,6 +288,21 @@ class LLMEngine:
         parent, children = self.process_inputs(request_id, prompt, params, **kwargs)
         self.add_processed(parent, children)
         return parent.request_id
+
+    # -- LoRA adapters (enable_lora; docs/lora.md) -----------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter on every rank ahead of its requests; False if it already is.
+        ``ValueError`` naming the field for a bad adapter (LoRA off, a bad path, a rank over the limit)."""
+        check_lora_request(self.config, lora_request)
+        return self.lora.ensure(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter no unfinished request runs under; False if it is not registered."""
+        return self.lora.remove(lora_int_id) if self.lora is not None else False
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, least recently used first."""
+        return self.lora.list() if self.lora is not None else []
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

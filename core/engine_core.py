@@ -27,7 +27,7 @@ from kvforge.engine_process import ACCEPTED
 logger = logging.getLogger("kvforge.engine_core")
 
 #: the calls the front end may make (EngineProcessClient's own methods of the same names)
-RPC_METHODS = frozenset({"get_stats", "check_structured_outputs"})
+RPC_METHODS = frozenset({"get_stats", "check_structured_outputs", "add_lora", "remove_lora", "list_loras"})
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -93,12 +93,12 @@ class EngineCore(AsyncLLMEngine):
         self.shutdown()
         return 0 if self.error is None else 1
 
-    def _admit(self, request_id: str, prompt: Any, params: Any, priority: int) -> None:
+    def _admit(self, request_id: str, prompt: Any, params: Any, priority: int, lora_request: Any = None) -> None:
         """Validate and tokenize a request (off the engine loop), then queue it; the front end gets
         ``ACCEPTED`` first, or the error (a ``ValueError`` names the field)."""
         try:
             parent, children = self.engine.process_inputs(request_id, prompt, params, priority=priority,
-                                                          stream_deltas=True)
+                                                          stream_deltas=True, lora_request=lora_request)
         except Exception as exc:
             with self._admit_lock:
                 self._admitting.discard(request_id)

@@ -7,7 +7,7 @@ the ``LLMEngine`` (its ranks too), validates and tokenizes requests, schedules, 
 detokenizes. They share no interpreter, so streaming thousands of chunks a second no longer takes
 the engine loop's time (one GIL per process). The boundary is message-shaped, over a Unix socket:
 
-    front end -> core: ("add", id, prompt, params, priority), ("abort", id), ("rpc", call, method, args), ("stop",)
+    front end -> core: ("add", id, prompt, params, priority, lora_request), ("abort", id), ("rpc", call, method, args), ("stop",)
     core -> front end: ("ready", facts), ("out", [(id, item), ...]) once per step, ("reply", call, ok, value),
                        ("dead", message)
 
@@ -145,6 +145,16 @@ class EngineProcessClient(StreamingFront):
     def get_stats(self) -> dict[str, Any]:
         return self._call("get_stats")
 
+    def add_lora(self, lora_request: Any) -> bool:
+        """Register a LoRA adapter in the engine (blocking); ``ValueError`` if it is bad."""
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list:
+        return self._call("list_loras")
+
     def _call(self, method: str, *args: Any) -> Any:
         self._check_alive()
         call = next(self._call_ids)
@@ -180,13 +190,13 @@ class EngineProcessClient(StreamingFront):
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Queue a request in the engine and return its output deltas; ``ValueError`` naming the field
         for bad input (the engine validates it and answers before any output). Closing the iterator
         early aborts the request."""
         q = self.streams.open(request_id, self._check_alive)
         try:
-            self._send(("add", request_id, prompt, params, priority))
+            self._send(("add", request_id, prompt, params, priority, lora_request))
             first = await q.get()
         except BaseException:  # the client went away (cancelled), or the engine is gone
             self.abort(request_id)

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from kvforge.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvforge.config import EngineConfig
 from kvforge.engine import LLMEngine
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -47,16 +48,28 @@ class LLM:
         self._profiling = False
         return self.llm_engine.executor.collective_rpc("stop_profile", trace_dir)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter ahead of its prompts (``ValueError`` if it is bad); False if it already is."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         ``priority``: one integer per prompt (lower runs first), used by schedulers that honour it
-        (``priority``); default 0 for every prompt.
+        (``priority``); default 0 for every prompt. ``lora_request``: the LoRA adapter every prompt
+        runs under, or one per prompt (None: the base model); needs ``enable_lora=True``.
         """
         prompts = _as_list(prompts)
         if not prompts:
@@ -72,11 +85,17 @@ class LLM:
         elif (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)
               or not all(isinstance(x, int) and not isinstance(x, bool) for x in priority)):
             raise ValueError(f"priority: expected {len(prompts)} integers (one per prompt), got {priority!r}")
+        if not isinstance(lora_request, (list, tuple)):  # one for every prompt (the engine checks its type)
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priority):
-                ids.append(engine.add_request(None, prompt, p, priority=prio, final_only=True))
+            for prompt, p, prio, lora in zip(prompts, params, priority, loras):
+                ids.append(engine.add_request(None, prompt, p, priority=prio, final_only=True, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -84,8 +103,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams |
              Sequence[SamplingParams] | None = None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them through the chat template."""
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them through the chat template
+        (``lora_request`` as in :meth:`generate`)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat: this model has no tokenizer")
@@ -97,7 +118,7 @@ class LLM:
             text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt; each output's ``sequences`` are ranked best first (at most

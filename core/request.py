@@ -52,7 +52,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    cache_salt: str | None = None  # extra key of the prefix-cache hashes (isolates tenants, LoRA ids)
+    cache_salt: str | None = None  # extra key of the prefix-cache hashes (isolates tenants)
+    lora_request: Any = None  # kvforge.LoRARequest: the adapter the request runs under (None: the base model)
     bad_words_token_ids: list[list[int]] | None = None  # tokenized SamplingParams.bad_words
     grammar: Any = None  # structured-output state (kvforge.structured_output.GrammarState)
     # n > 1: sample 0 computes the prompt once; when its prefill completes, these samples take its
@@ -71,6 +72,20 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None  # [len(draft_token_ids), vocab] device tensor q of the drafts, or None (one-hot)
     error: RequestFailure | None = None  # set with status FINISHED_ERROR
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def cache_key(self) -> Any:
+        """The extra key of the request's prefix-cache hashes: its adapter and its salt (None: neither),
+        so that blocks computed under one adapter (or tenant) never serve another."""
+        lora = self.lora_int_id
+        if not lora:
+            return self.cache_salt
+        return (lora, self.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

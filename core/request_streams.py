@@ -85,9 +85,10 @@ class StreamingFront:
     streams: RequestStreams
     error: BaseException | None
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> AsyncIterator[Any]:
+    async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0,
+                       lora_request: Any = None) -> AsyncIterator[Any]:
         """Stream a request's output deltas (see ``add_request``)."""
-        async for out in await self.add_request(prompt, params, request_id, priority):
+        async for out in await self.add_request(prompt, params, request_id, priority, lora_request=lora_request):
             yield out
 
     def abort(self, request_id: str) -> None:

@@ -81,9 +81,12 @@ class Scheduler(ABC):
     name: str = ""
 
     def __init__(self, *, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, **options: Any):
+                 max_model_len: int, max_loras: int | None = None, **options: Any):
+        """``max_loras`` (given only with LoRA on): the most distinct adapters the running requests may
+        use, so that every step's adapters fit the device slots (:meth:`lora_fits`)."""
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -91,6 +94,16 @@ class Scheduler(ABC):
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
+
+    def lora_fits(self, req: Request) -> bool:
+        """Whether ``req`` may join the running requests without making their distinct LoRA adapters
+        more than ``max_loras`` (``req.lora_request`` / ``req.lora_int_id``; 0 is the base model).
+        A policy calls it before it admits a request (or swaps one back in)."""
+        lora = req.lora_int_id
+        if not lora or self.max_loras is None:
+            return True
+        active = {r.lora_int_id for r in self.running} - {0}
+        return lora in active or len(active) < self.max_loras
 
     # -- queue management (shared) ---------------------------------------------------------------
     def add(self, request: Request) -> None:

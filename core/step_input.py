@@ -43,6 +43,8 @@ class StepInput:
     fill_dst: np.ndarray | None = None
     fill_src: np.ndarray | None = None
     num_prev_tokens: int = 0
+    #: LoRA: each request's adapter id (0: the base model); None when no request runs an adapter
+    lora_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +100,8 @@ class StepInputBuilder:
                       else r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens))
         else:
             chunks = (r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens))
+        if any(r.lora_request is not None for r in reqs):
+            step.lora_ids = np.fromiter((r.lora_int_id for r in reqs), dtype=np.int64, count=n)
         ids = step.input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=total)
         ends = np.cumsum(q_lens)  # each request's end row
         holes = np.flatnonzero(ids < 0)  # placeholders: tokens the step in flight samples

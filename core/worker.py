@@ -108,6 +108,13 @@ class Worker:
         with parallel_state.building(self.group, self.stage):
             self.model = load_model(spec.source, mc, self.attn, dtype, self.device, seed=config.seed,
                                     quant=self.quant)
+        self.lora = None  # kvforge.lora.slots.LoRAManager with enable_lora
+        if config.enable_lora:
+            from kvforge.lora.slots import LoRAManager
+
+            self.lora = LoRAManager(self.model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_tokens=config.max_num_batched_tokens, num_layers=mc.num_hidden_layers,
+                                    device=self.device)
         start, end = self.stage.layers(mc.num_hidden_layers)
         self.first_layer = start
         self.num_layers = end - start  # this stage's layers: its KV cache holds only theirs
@@ -163,6 +170,19 @@ class Worker:
     def batch_state(self) -> dict[str, int]:
         """The persistent batch: requests this rank holds block tables for, and their blocks."""
         return {"requests": len(self.tables), "blocks": sum(len(t) for t in self.tables.values())}
+
+    # -- LoRA adapters (the engine's kvforge.lora.registry) ----------------------------------------
+    def add_lora(self, request: Any) -> str | None:
+        """Load an adapter into this rank's host memory; the problem as text (nothing kept) if it is bad:
+        a rank reports bad input instead of raising, which would end it."""
+        try:
+            self.lora.add(request)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora.remove(lora_int_id)
 
     # -- KV cache sizing -------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -246,7 +266,8 @@ class Worker:
 
         self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, device=self.device, query_lens=query_lens,
-                                      verify_head=True)
+                                      verify_head=True,
+                                      before_capture=self.lora.capture_batch if self.lora is not None else None)
         return self.graphs.capture()
 
     def initialize_swap_space(self, swap_space_gib: float) -> int:
@@ -297,6 +318,8 @@ class Worker:
         buf, layout = self._layout(step)
         dev = self.device
         num_rows = layout.num_tokens  # with graph padding
+        if self.lora is not None:
+            self.lora.prepare(step.lora_ids, step.query_lens, num_rows, graph=step.graph_key is not None)
         pinned = buf.tensors
         if step.graph_key is not None:
             ids_dev, pos_dev = self.graphs.input_ids[:num_rows], self.graphs.positions[:num_rows]

@@ -65,7 +65,7 @@ class PagedKVCacheManager(KVCacheManager):
         max_blocks = (request.num_tokens - 1) // bs  # leave at least one token to compute
         found: list[int] = []
         parent_hash, parent_id = None, None
-        extra = getattr(request, "cache_salt", None)
+        extra = request.cache_key
         for i in range(max_blocks):
             tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
             h = hash_block(parent_hash, tokens, extra)
@@ -85,7 +85,7 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         hashes = self.hashes.setdefault(rid, [])
         start = self.num_hashed.get(rid, 0)
-        extra = getattr(request, "cache_salt", None)
+        extra = request.cache_key
         for i in range(start, num_tokens // bs):
             tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
             parent_hash = hashes[i - 1] if i else None

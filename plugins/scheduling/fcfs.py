@@ -82,11 +82,11 @@ class FCFSScheduler(Scheduler):
             break
 
         if self.may_admit(out):
-            not_ready = []  # requests whose structured-output grammar is still compiling
+            not_ready = []  # requests that cannot start yet (grammar compiling, LoRA slots taken)
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                if req.grammar is not None and not req.grammar.usable:
-                    not_ready.append(self.waiting.popleft())
+                if (req.grammar is not None and not req.grammar.usable) or not self.lora_fits(req):
+                    not_ready.append(self.waiting.popleft())  # its grammar compiles, or its adapter waits for a slot
                     continue
                 if len(self.running) + 1 + len(req.forks) > self.max_num_seqs:
                     break  # its n samples will all run once the prompt is done

@@ -143,7 +143,7 @@ class PriorityScheduler(FCFSScheduler):
     def _fits(self, req: Request) -> bool:
         """Whether the queued ``req`` could run in this step after the running requests' next chunks
         (the fcfs running pass, without preemptions): an estimate that ignores prefix-cache hits."""
-        if len(self.running) + 1 + len(req.forks) > self.max_num_seqs:
+        if len(self.running) + 1 + len(req.forks) > self.max_num_seqs or not self.lora_fits(req):
             return False
         budget, blocks = self.max_num_batched_tokens, 0
         for r in self.running:

@@ -1,0 +1,6 @@
+"""LoRA adapters: many fine-tunes of one base model served together in one batch (docs/lora.md).
+
+``request`` names an adapter (``LoRARequest``); ``adapter`` reads a PEFT directory; ``layers`` wraps the
+model's linear layers; ``slots`` keeps adapters resident on the device (least recently used go back to
+host memory); ``ops`` and ``triton_ops`` are the batched kernels (rows grouped by adapter).
+"""

@@ -1,0 +1,189 @@
+"""Batched LoRA matmuls: every token row multiplied by its own adapter's weights, in one call.
+
+A step mixes requests of many adapters (and of none: the base model). Punica/S-LoRA's answer is a
+segmented GEMM (SGMV): group the token rows by adapter slot once per step (:func:`group_rows` on the
+host, a stable sort), then each kernel program multiplies one slot's weights with a tile of that
+slot's rows, gathered through the grouping. LoRA needs two such products per adapted layer::
+
+    shrink: h[T, R]  = x[T, K=hidden] @ A[slot].T      (A: [S, R, K], R = 8..192, out float32)
+    expand: y[T, N] += h[T, R]        @ B[slot].T      (B: [S, N, R], N = 1024..28672, accumulate)
+
+:func:`segmented_matmul` does both: the Triton kernel (``kvforge.lora.triton_ops``) on CUDA, the torch
+reference :func:`segmented_matmul_torch` elsewhere. Both compute the products in float32 and round once,
+when storing (for ``accumulate``, after adding the old value in float32).
+
+NOTE (CUDA graphs): the kernel's grid is sized by ``LoRABatch.max_rows``, a Python int fixed at
+capture (the graph's padded token count), never by the grouping; the grouping lives in device
+buffers (``order``, ``starts``) that a replay reads afresh, so one graph serves any grouping.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvforge.lora import triton_ops
+
+IMPLS = ("auto", "torch", "triton")
+
+
+# ---- the grouping (host) ---------------------------------------------------------------------------
+
+def group_rows(row_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group token rows by adapter slot.
+
+    row_slots: int [T], each row's slot in [0, num_slots), or -1 for no adapter.
+    Returns ``(order, starts)``: order int32 [T'] the rows that have a slot, by increasing slot and,
+    within a slot, in increasing row order (a stable sort); starts int32 [num_slots + 1], slot s's rows
+    are ``order[starts[s]:starts[s + 1]]``. Rows of -1 are left out (T' = rows with a slot).
+    """
+    row_slots = np.asarray(row_slots)
+    _check_slots("row_slots", row_slots, num_slots)
+    with_slot = np.flatnonzero(row_slots >= 0)
+    slots = row_slots[with_slot].astype(np.int64)
+    order = with_slot[np.argsort(slots, kind="stable")].astype(np.int32)
+    return order, _starts(np.bincount(slots, minlength=num_slots), num_slots)
+
+
+def group_request_rows(req_slots: np.ndarray, query_lens: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`group_rows` of ``np.repeat(req_slots, query_lens)``, for rows that come in per-request runs
+    (the engine's layout): sorts the requests, not the rows, then expands each request to its run.
+
+    req_slots: int [B] each request's slot or -1; query_lens: int [B] >= 0, its rows this step.
+    """
+    req_slots, query_lens = np.asarray(req_slots), np.asarray(query_lens)
+    if req_slots.shape != query_lens.shape or req_slots.ndim != 1:
+        raise ValueError(f"req_slots {req_slots.shape} and query_lens {query_lens.shape} must be one [B] shape")
+    if query_lens.size and (not np.issubdtype(query_lens.dtype, np.integer) or query_lens.min() < 0):
+        raise ValueError(f"query_lens must be integers >= 0; got {query_lens.dtype} down to {query_lens.min()}")
+    _check_slots("req_slots", req_slots, num_slots)
+    req_slots, query_lens = req_slots.astype(np.int64), query_lens.astype(np.int64)
+    first_row = np.cumsum(query_lens) - query_lens  # [B]: each request's first row
+    with_slot = np.flatnonzero(req_slots >= 0)
+    requests = with_slot[np.argsort(req_slots[with_slot], kind="stable")]  # [B']: by slot, stable
+    lens = query_lens[requests]
+    out_first = np.cumsum(lens) - lens  # [B']: where each request's run starts in order
+    order = np.repeat(first_row[requests] - out_first, lens) + np.arange(int(lens.sum()))
+    counts = np.bincount(req_slots[with_slot], weights=query_lens[with_slot], minlength=num_slots)
+    return order.astype(np.int32), _starts(counts.astype(np.int64), num_slots)
+
+
+def _check_slots(name: str, slots: np.ndarray, num_slots: int) -> None:
+    if slots.ndim != 1 or not (slots.size == 0 or np.issubdtype(slots.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D integer array; got shape {slots.shape}, dtype {slots.dtype}")
+    if num_slots < 0:
+        raise ValueError(f"num_slots must be >= 0; got {num_slots}")
+    if slots.size and (slots.min() < -1 or slots.max() >= num_slots):
+        raise ValueError(f"{name} must lie in [-1, {num_slots}) (num_slots = {num_slots}); "
+                         f"got values in [{int(slots.min())}, {int(slots.max())}]")
+
+
+def _starts(counts: np.ndarray, num_slots: int) -> np.ndarray:
+    starts = np.zeros(num_slots + 1, dtype=np.int32)
+    np.cumsum(counts[:num_slots], out=starts[1:])
+    return starts
+
+
+# ---- one step's grouping on the device --------------------------------------------------------------
+
+@dataclass
+class LoRABatch:
+    """One step's grouping of token rows by slot, as the kernels read it.
+
+    NOTE: ``order`` and ``starts`` are the buffers a CUDA graph captures: a new grouping is copied into
+    them (same tensors) before a replay, while ``max_rows`` stays the value the graph was captured with.
+    """
+
+    order: torch.Tensor  # [capacity] int32: rows grouped by slot; only the first starts[-1] meaningful
+    starts: torch.Tensor  # [num_slots + 1] int32: slot s's rows are order[starts[s]:starts[s + 1]]
+    num_slots: int
+    max_rows: int  # >= the rows of any one slot this step (sizes the kernel grid; graphs: padded T)
+    host_starts: np.ndarray | None = None  # [num_slots + 1] the same starts on the host; None in graphs
+
+    def __post_init__(self):
+        if self.num_slots < 0 or self.max_rows < 0:
+            raise ValueError(f"LoRABatch: num_slots ({self.num_slots}) and max_rows ({self.max_rows}) must be >= 0")
+        for name in ("order", "starts"):
+            t = getattr(self, name)
+            if t.dtype != torch.int32 or t.dim() != 1:
+                raise ValueError(f"LoRABatch.{name} must be 1-D int32; got {t.dtype} {tuple(t.shape)}")
+        if self.starts.shape[0] != self.num_slots + 1:
+            raise ValueError(f"LoRABatch.starts has {self.starts.shape[0]} entries, expected num_slots + 1 = "
+                             f"{self.num_slots + 1}")
+        if self.host_starts is not None:
+            if self.host_starts.shape != (self.num_slots + 1,):
+                raise ValueError(f"LoRABatch.host_starts has shape {self.host_starts.shape}, expected "
+                                 f"({self.num_slots + 1},)")
+            largest = int(np.diff(self.host_starts).max(initial=0))
+            if largest > self.max_rows:
+                raise ValueError(f"LoRABatch.max_rows ({self.max_rows}) is below a slot's {largest} rows")
+
+    @classmethod
+    def from_grouping(cls, order: np.ndarray, starts: np.ndarray, *, device: torch.device | str,
+                      capacity: int | None = None, max_rows: int | None = None) -> LoRABatch:
+        """A batch from :func:`group_rows`'s result: ``order`` zero-padded to ``capacity`` (default: its
+        length), ``max_rows`` by default the largest slot's rows."""
+        capacity = len(order) if capacity is None else capacity
+        if capacity < len(order):
+            raise ValueError(f"capacity ({capacity}) is below the {len(order)} grouped rows")
+        padded = np.zeros(capacity, dtype=np.int32)
+        padded[:len(order)] = order
+        starts = starts.astype(np.int32)
+        largest = int(np.diff(starts).max(initial=0))
+        return cls(order=torch.from_numpy(padded).to(device), starts=torch.from_numpy(starts).to(device),
+                   num_slots=len(starts) - 1, max_rows=largest if max_rows is None else max_rows, host_starts=starts)
+
+
+# ---- the matmul --------------------------------------------------------------------------------------
+
+def segmented_matmul(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, out: torch.Tensor, *,
+                     accumulate: bool, impl: str = "auto") -> None:
+    """For each slot s and each of its rows r: ``out[r] = x[r] @ weights[s].T`` (``accumulate``:
+    ``out[r] += ...``), in float32, rounded to out's dtype once. Rows of no slot are left untouched.
+
+    x: [T, K] (rows may be strided); weights: [S, N, K] with S >= batch.num_slots; out: [T, N] (may be a
+    column slice of a wider tensor). ``impl``: "auto" (Triton for CUDA tensors where triton imports,
+    else torch), "torch", or "triton" (also on the CPU under TRITON_INTERPRET=1, for tests).
+    """
+    _check_args(x, weights, batch, out, impl)
+    if impl == "auto":
+        impl = "triton" if x.is_cuda and triton_ops.available() else "torch"
+    if impl == "torch":
+        segmented_matmul_torch(x, weights, batch, out, accumulate=accumulate)
+    else:
+        triton_ops.segmented_matmul_triton(x, weights, batch, out, accumulate=accumulate)
+
+
+def segmented_matmul_torch(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, out: torch.Tensor, *,
+                           accumulate: bool) -> None:
+    """The reference of :func:`segmented_matmul` (same arguments): a loop over the slots that have rows,
+    each gathering its rows, multiplying in float32 and writing them back."""
+    starts = batch.host_starts if batch.host_starts is not None else batch.starts.tolist()  # tolist: a sync
+    order = batch.order.long()
+    for slot in range(batch.num_slots):
+        begin, end = int(starts[slot]), int(starts[slot + 1])
+        if begin == end:
+            continue
+        rows = order[begin:end]
+        y = x.index_select(0, rows).float() @ weights[slot].float().t()  # [rows, N] float32
+        if accumulate:
+            y += out.index_select(0, rows).float()
+        out.index_copy_(0, rows, y.to(out.dtype))
+
+
+def _check_args(x, weights, batch, out, impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"segmented_matmul: impl {impl!r} is not one of {', '.join(IMPLS)}")
+    if x.dim() != 2 or weights.dim() != 3 or out.dim() != 2:
+        raise ValueError(f"segmented_matmul expects x [T, K], weights [S, N, K], out [T, N]; got x "
+                         f"{tuple(x.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    num_rows, k = x.shape
+    if weights.shape[2] != k or tuple(out.shape) != (num_rows, weights.shape[1]):
+        raise ValueError(f"segmented_matmul: weights {tuple(weights.shape)} and out {tuple(out.shape)} do not fit "
+                         f"[S, N, K] and [T, N] with x [T, K] = {tuple(x.shape)}")
+    if batch.num_slots > weights.shape[0]:
+        raise ValueError(f"segmented_matmul: the batch has {batch.num_slots} slots, weights only {weights.shape[0]}")
+    devices = {t.device for t in (x, weights, out, batch.order, batch.starts)}
+    if len(devices) != 1:
+        raise ValueError(f"segmented_matmul: x, weights, out and the batch must share a device; got {devices}")
