@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -51,23 +51,30 @@ def warm_prompts(args: argparse.Namespace, vocab_size: int, n: int) -> list[list
                                                       vocab_size, seed=(args.seed or 0) + 1_000_003)]
 
 
-def warm_up(llm: Any, args: argparse.Namespace, n: int) -> None:
-    """A short generate of :func:`warm_prompts`."""
+def warm_up(llm: Any, args: argparse.Namespace, n: int, loras: Sequence[Any] | None = None) -> None:
+    """A short generate of :func:`warm_prompts`; with ``loras`` (``LoRARequest`` objects), warm-up prompt i runs
+    under ``loras[i % len(loras)]``, so that those adapters are loaded before anything is timed."""
     from kvforge import SamplingParams
 
-    llm.generate(warm_prompts(args, llm.llm_engine.model_config.vocab_size, n),
-                 SamplingParams(max_tokens=WARM_TOKENS, ignore_eos=True), use_tqdm=False)
+    prompts = warm_prompts(args, llm.llm_engine.model_config.vocab_size, n)
+    lora_kwargs = {"lora_request": [loras[i % len(loras)] for i in range(len(prompts))]} if loras else {}
+    llm.generate(prompts, SamplingParams(max_tokens=WARM_TOKENS, ignore_eos=True), use_tqdm=False, **lora_kwargs)
     sync(llm.llm_engine.device)
 
 
-def run_streamed(engine: Any, workload: list[BenchRequest]) -> dict:
-    """Run the workload through ``engine`` (all requests at once), stamping every streamed delta."""
+def run_streamed(engine: Any, workload: list[BenchRequest], lora_requests: Sequence[Any] | None = None) -> dict:
+    """Run the workload through ``engine`` (all requests at once), stamping every streamed delta.
+    ``lora_requests``: one ``LoRARequest`` (or None: the base model) per request of ``workload``."""
     from kvforge import SamplingParams
 
+    if lora_requests is not None and len(lora_requests) != len(workload):
+        raise ValueError(f"lora_requests: got {len(lora_requests)} for {len(workload)} requests")
+    loras = lora_requests if lora_requests is not None else [None] * len(workload)
     t0 = time.perf_counter()
     ids = [engine.add_request(None, r.prompt_token_ids,
                               SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
-                              stream_deltas=True) for r in workload]
+                              stream_deltas=True, **({"lora_request": lora} if lora is not None else {}))
+           for r, lora in zip(workload, loras)]
     stamps: dict[str, list[float]] = {i: [] for i in ids}
     counts = dict.fromkeys(ids, 0)
     metrics: dict[str, Any] = {}

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from kvforge.bench.metrics import summarize
 from kvforge.bench.workloads import BenchRequest
@@ -129,11 +129,33 @@ def llm_kwargs(source: Any, mc: Any, dtype: Any, seed: int, workdir: str, config
     return kwargs | {"model": source.path}
 
 
+def lora_spec(lora_request: Any) -> dict | None:
+    """The worker's form of an adapter (``{"name", "id", "path"}``) from a kvforge ``LoRARequest``, or None."""
+    if lora_request is None:
+        return None
+    return {"name": lora_request.lora_name, "id": lora_request.lora_int_id, "path": lora_request.lora_path}
+
+
 def throughput_row(peer: VllmPeer, kwargs: dict, workload: list[BenchRequest], warmup: list[list[int]],
-                   warmup_tokens: int) -> dict:
-    """vLLM's row of ``kvforge bench throughput``: the columns kvforge's has, from the worker's stamps."""
+                   warmup_tokens: int, loras: Sequence[Any] | None = None,
+                   warmup_loras: Sequence[Any] | None = None) -> dict:
+    """vLLM's row of ``kvforge bench throughput``: the columns kvforge's has, from the worker's stamps.
+
+    ``loras`` / ``warmup_loras``: one kvforge ``LoRARequest`` (or None: the base model) per request of
+    ``workload`` / per ``warmup`` prompt; vLLM gets its own ``LoRARequest`` of the same name, id and path
+    (``kwargs`` must then enable LoRA)."""
     request = {"mode": "throughput", "llm_kwargs": kwargs, "warmup": warmup, "warmup_tokens": warmup_tokens,
                "requests": [{"prompt": r.prompt_token_ids, "max_tokens": r.output_len} for r in workload]}
+    if loras is not None:
+        if len(loras) != len(workload):
+            raise ValueError(f"loras: got {len(loras)} for {len(workload)} requests")
+        for entry, lora in zip(request["requests"], loras):
+            if lora is not None:
+                entry["lora"] = lora_spec(lora)
+    if warmup_loras is not None:
+        if len(warmup_loras) != len(warmup):
+            raise ValueError(f"warmup_loras: got {len(warmup_loras)} for {len(warmup)} warm-up prompts")
+        request["warmup_loras"] = [lora_spec(lora) for lora in warmup_loras]
     result, log = peer.call(request)
     row = header(result, log)
     if "error" in result:

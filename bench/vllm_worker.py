@@ -9,7 +9,10 @@ REQUEST: ``{"mode": "probe" | "throughput" | "latency", "llm_kwargs": {...}, ...
   (``{"prompt": [ids], "max_tokens": n}``) added at once to ``llm.llm_engine`` with DELTA outputs and
   stepped to completion, a ``perf_counter`` stamp per delta: the loop kvforge's side runs. The result
   has ``seconds`` (first add to last output), ``load_seconds`` (``LLM(...)``), and per request
-  ``stamps`` (seconds after the start, one per delta) and ``tokens``.
+  ``stamps`` (seconds after the start, one per delta) and ``tokens``. Optional LoRA (``llm_kwargs``
+  with ``enable_lora``): a request's ``"lora": {"name", "id", "path"}`` runs it under that adapter
+  (vLLM's ``LoRARequest``), and ``warmup_loras`` (one such dict or null per warm-up prompt) does the
+  same for the warm-up.
 - ``latency``: ``batches`` of ``{"prompts", "max_tokens"}`` timed one ``llm.generate`` each; the
   result's ``seconds`` is one figure per batch.
 
@@ -38,9 +41,20 @@ def tokens_prompt(ids: list[int]):
     return TokensPrompt(prompt_token_ids=ids)
 
 
-def generate(llm, vllm, prompts: list[list[int]], max_tokens: list[int]) -> None:
+def lora_request(spec: dict | None):
+    """vLLM's ``LoRARequest`` for ``{"name", "id", "path"}``, or None (the base model)."""
+    if spec is None:
+        return None
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(lora_name=spec["name"], lora_int_id=spec["id"], lora_path=spec["path"])
+
+
+def generate(llm, vllm, prompts: list[list[int]], max_tokens: list[int],
+             loras: list[dict | None] | None = None) -> None:
+    # NOTE: lora_request only when asked, so that a vLLM (or a stand-in) without LoRA support runs the rest
+    extra = {"lora_request": [lora_request(s) for s in loras]} if loras else {}
     outs = llm.generate([tokens_prompt(p) for p in prompts], [sampling_params(vllm, n) for n in max_tokens],
-                        use_tqdm=False)
+                        use_tqdm=False, **extra)
     for out, want in zip(outs, max_tokens):
         got = len(out.outputs[0].token_ids)
         if got != want:
@@ -54,7 +68,9 @@ def run_streamed(llm, vllm, requests: list[dict]) -> dict:
     tokens = dict.fromkeys(ids, 0)
     t0 = time.perf_counter()
     for rid, r in zip(ids, requests):
-        engine.add_request(rid, tokens_prompt(r["prompt"]), sampling_params(vllm, r["max_tokens"], delta=True))
+        extra = {"lora_request": lora_request(r["lora"])} if r.get("lora") else {}
+        engine.add_request(rid, tokens_prompt(r["prompt"]), sampling_params(vllm, r["max_tokens"], delta=True),
+                           **extra)
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter() - t0
@@ -95,7 +111,7 @@ def main(argv: list[str]) -> int:
         result["load_seconds"] = time.perf_counter() - t0
         if req["mode"] == "throughput":
             warm = req["warmup"]
-            generate(llm, vllm, warm, [req["warmup_tokens"]] * len(warm))
+            generate(llm, vllm, warm, [req["warmup_tokens"]] * len(warm), req.get("warmup_loras"))
             result |= run_streamed(llm, vllm, req["requests"])
         elif req["mode"] == "latency":
             seconds = []

@@ -1,15 +1,16 @@
-"""The FastAPI application: routes, auth, errors and the engine's lifetime.
+"""The FastAPI application: routes, auth, errors and the engines' lifetime.
 
-If the engine dies, every in-flight request has already got its error; ``/health`` answers 503 for
-``DEAD_LINGER_S`` (so probes see it), then ``on_engine_dead`` is called (``kvforge serve`` stops
-uvicorn, which drains and exits non-zero so that an orchestrator restarts it).
+One engine per served model; a request's ``model`` picks it through the app's ``ServedModels``
+(``server/models.py``). If an engine dies, every in-flight request on it has already got its error;
+``/health`` answers 503 for ``DEAD_LINGER_S`` (so probes see it), then ``on_engine_dead`` is called
+(``kvforge serve`` stops uvicorn, which drains and exits non-zero so that an orchestrator restarts it).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,9 @@ from kvforge.server.errors import (
     handle_http_error,
     handle_validation_error,
 )
+from kvforge.server.lora_routes import LoRAAdapters, LoRAModule, add_lora_routes
 from kvforge.server.metrics import ServerMetrics
+from kvforge.server.models import ServedModel, ServedModels
 from kvforge.server.openai_api import OpenAIServing
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -42,33 +45,79 @@ DEAD_LINGER_S = 1.0
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
-def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str | None = None,
-               chat_template: str | None = None, hook: Any = None, trust_request_chat_template: bool = False,
-               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
-    """Build the app around a started-or-not engine; the app's lifespan starts and stops it."""
+#: an engine and the names it is served under (the first is its ``model_name`` in the metrics)
+EngineNames = tuple[AsyncLLMEngine, list[str]]
 
-    async def watch_engine() -> None:
-        while not engine.dead.is_set():
+
+def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: list[str] | None = None, *,
+               api_key: str | None = None, chat_template: str | None = None, hook: Any = None,
+               trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
+               allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """Build the app around started-or-not engines; the app's lifespan starts and stops them.
+
+    One model: ``create_app(engine, ["name", "alias"])``. Several: ``create_app([(engine_a, ["a"]),
+    (engine_b, ["b", "b2"])])``; a request's ``model`` picks the engine, and a request without one goes to
+    the first name. ``chat_template`` applies to every engine. A name given twice is a ``ValueError``.
+    ``lora_modules``: LoRA adapters registered and served once the engines start (docs/lora.md);
+    ``allow_runtime_lora_updating``: answer ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    """
+    if served_names is not None:
+        pairs = [(engines, served_names)]
+    elif isinstance(engines, (list, tuple)):
+        pairs = list(engines)
+    else:
+        raise TypeError("create_app(engine, served_names) or create_app([(engine, served_names), ...])")
+    metrics = ServerMetrics()
+    models = ServedModels()
+    first_name: dict[int, str] = {}  # id(engine) -> its first served name, for logs and /health
+    for engine, names in pairs:
+        if not names:
+            raise ValueError(f"served_model_name: the engine of {engine.model_source.name!r} has no served name")
+        for name in names:
+            models.check_new(name)  # before the metrics take names[0] as a label
+        serving = OpenAIServing(engine, metrics.add_model(engine.get_stats, names[0]), chat_template,
+                                trust_request_chat_template)
+        src = engine.model_source
+        for name in names:
+            models.add(ServedModel(name, serving, src.path or src.name))
+        first_name[id(engine)] = names[0]
+    all_engines = models.engines
+
+    async def watch_engines() -> None:
+        while not any(engine.dead.is_set() for engine in all_engines):
             await asyncio.sleep(0.1)
-        logger.error("the engine died (%r): /health answers 503; the server stops in %.0f s",
-                     engine.error, DEAD_LINGER_S)
+        for engine in all_engines:
+            if engine.dead.is_set():
+                logger.error("the engine of %s died (%r): /health answers 503; the server stops in %.0f s",
+                             first_name[id(engine)], engine.error, DEAD_LINGER_S)
         await asyncio.sleep(DEAD_LINGER_S)
         if on_engine_dead is not None:
             on_engine_dead()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
-        watcher = asyncio.create_task(watch_engine())
-        yield
-        watcher.cancel()
-        engine.shutdown()
+        started = []
+        try:
+            for engine in all_engines:
+                engine.start()
+                started.append(engine)
+            watcher = asyncio.create_task(watch_engines())
+            for m in lora_modules:  # refused adapters stop the start-up, naming the flag
+                try:
+                    await adapters.load(m.name, m.path, m.base_model_name)
+                except APIError as exc:
+                    raise ValueError(f"--lora-modules {m.name}={m.path}: {exc.message}") from None
+            yield
+            watcher.cancel()
+        finally:  # NOTE: also when a later engine fails to start: no engine is left running
+            for engine in started:
+                engine.shutdown()
 
     app = FastAPI(title="kvforge", version=kvforge.__version__, lifespan=lifespan)
-    metrics = ServerMetrics(engine.get_stats, served_names[0])
-    serving = OpenAIServing(engine, served_names, metrics, chat_template, trust_request_chat_template)
-    app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    app.state.models, app.state.metrics = models, metrics
+    adapters = app.state.lora_adapters = LoRAAdapters(models)
+    add_lora_routes(app, adapters, allow_runtime_lora_updating)
     app.add_exception_handler(APIError, handle_api_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(HTTPException, handle_http_error)
@@ -92,23 +141,23 @@ def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await until_disconnect(request, serving.chat(req))
+        served = models.resolve(req.model)
+        return await until_disconnect(request, served.serving.chat(req, served))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await until_disconnect(request, serving.completions(req))
+        served = models.resolve(req.model)
+        return await until_disconnect(request, served.serving.completions(req, served))
 
     @app.get("/v1/models")
-    async def models():
-        src = engine.model_source
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvforge", "root": src.path or src.name,
-             "max_model_len": engine.max_model_len} for name in served_names]}
+    async def list_models():
+        return {"object": "list", "data": [m.card() for m in models.list()]}
 
     @app.get("/health")
     async def health():
-        if not engine.is_running:
-            return error_response(503, f"engine is not running: {engine.error!r}", type="service_unavailable")
+        down = [f"{first_name[id(e)]}: {e.error!r}" for e in all_engines if not e.is_running]
+        if down:
+            return error_response(503, f"engine is not running: {'; '.join(down)}", type="service_unavailable")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -123,7 +172,7 @@ def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str 
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        serving.model_name(req.model)
+        serving = models.resolve(req.model).serving
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
@@ -131,12 +180,11 @@ def create_app(engine: AsyncLLMEngine, served_names: list[str], *, api_key: str 
             ids = await serving.encode(text, False, "messages")
         else:
             ids = await serving.encode(req.prompt, req.add_special_tokens, "prompt")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": serving.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        serving.model_name(req.model)
-        tok = serving.tokenizer()
+        tok = models.resolve(req.model).serving.tokenizer()
         vocab = len(tok)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:

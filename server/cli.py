@@ -1,4 +1,19 @@
-"""``kvforge serve``: build the engine, then serve the OpenAI-compatible API with uvicorn."""
+"""``kvforge serve``: build the engines, then serve the OpenAI-compatible API with uvicorn.
+
+Several models: ``kvforge serve A --model B`` (the positional model first), and/or a ``models`` list
+in the config file, each entry a table of engine options with a ``model``::
+
+    max_model_len = 4096            # shared: every model's default
+    [[models]]
+    model = "Qwen/Qwen3-0.6B"
+    served_model_name = ["qwen", "qwen3"]
+    [[models]]
+    model = "dummy:tiny"
+    gpu_memory_utilization = 0.2    # its own share
+
+Precedence per model: defaults < the file's top level < CLI flags < its ``models`` entry. A model that
+sets no ``gpu_memory_utilization`` of its own gets the shared value divided by the number of models.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +23,10 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvforge.config import EngineConfig
 
 logger = logging.getLogger("kvforge.server")
 
@@ -19,12 +38,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF directory, .gguf file, hub id or dummy:<preset> (default: SmolLM2-135M-Instruct)")
-    add_engine_args(p)
+    add_engine_args(p, model_flag=False)
+    p.add_argument("--model", dest="models", action="append", default=[],
+                   help="a model to serve (after MODEL); repeat it to serve several, each with its own engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1/* (or set KVFORGE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="names clients use in `model` (default: the model argument)")
+                   help="names clients use in `model` for the first model (default: the model argument)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template itself)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template field in requests (refused by default: templates run code)")
@@ -34,9 +55,23 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="engine replicas (Ray actors) behind this one server, requests to the least busy (1)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process, not in an engine core process")
+    p.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters served under their own names: name=path, or JSON {\"name\": ..., "
+                        "\"path\": ..., \"base_model_name\": ...} (needs --enable-lora; docs/lora.md)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they are 404)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
+
+
+def _lora_module(text: str):
+    from kvforge.server.lora_routes import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def default_served_name(model: str | None) -> str:
@@ -45,51 +80,150 @@ def default_served_name(model: str | None) -> str:
     return model.rstrip("/")
 
 
+def served_model_configs(args: argparse.Namespace) -> list[tuple[EngineConfig, list[str]]]:
+    """Each model's engine options and served names (``serve``'s parsed command line), in serving order.
+
+    The models are the command line's (MODEL, then each ``--model``), else the config file's top-level
+    ``model``, then the file's ``models`` entries; none at all: the default model.
+    ``--served-model-name`` names the first model unless its entry names it.
+    """
+    from kvforge.cli import engine_kwargs
+    from kvforge.config import EngineConfig, load_config_file
+
+    options = engine_kwargs(args)
+    config_file = options.pop("config", None)
+    models = ([args.model_tag] if args.model_tag else []) + args.models
+    served_model_name = args.served_model_name
+    shared = _options(load_config_file(config_file) if config_file is not None else {})
+    entries = shared.pop("models", None) or []
+    if not isinstance(entries, list):
+        raise ValueError(f"models: must be a list of tables of engine options, got {entries!r}")
+    top_model = shared.pop("model", None)
+    shared = _merged(shared, options)
+    layers: list[dict[str, Any]] = [{"model": m} for m in models or ([top_model] if top_model else [])]
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"models[{i}]: must be a table of engine options, got {entry!r}")
+        if not entry.get("model"):
+            raise ValueError(f"models[{i}].model: required (the model this entry serves), got {entry!r}")
+        layers.append({**_options(entry), "served_model_name": _served_names(entry.get("served_model_name"), i)})
+    layers = layers or [{"model": None}]
+    shared_util = EngineConfig.create(None, **shared).gpu_memory_utilization
+    out: list[tuple[EngineConfig, list[str]]] = []
+    for i, own in enumerate(layers):
+        layer = dict(own)
+        names = layer.pop("served_model_name", None)
+        if len(layers) > 1 and "gpu_memory_utilization" not in layer:
+            layer["gpu_memory_utilization"] = shared_util / len(layers)
+        try:
+            config = EngineConfig.create(None, **_merged(shared, layer))
+        except ValueError as exc:
+            if len(layers) == 1:
+                raise
+            raise ValueError(f"model {layer['model'] or default_served_name(None)!r}: {exc}") from None
+        if names is None:
+            names = served_model_name if i == 0 and served_model_name else [default_served_name(config.model)]
+        if len(layers) > 1:
+            how = "its own" if "gpu_memory_utilization" in own else f"the shared {shared_util:.3g} / {len(layers)}"
+            logger.info("kvforge serve: %s gets gpu_memory_utilization=%.3g (%s)", names[0],
+                        config.gpu_memory_utilization, how)
+        out.append((config, names))
+    seen: dict[str, str | None] = {}
+    for config, names in out:
+        for name in names:
+            if name in seen:
+                raise ValueError(f"served_model_name: {name!r} names two models ({seen[name] or 'the default'} "
+                                 f"and {config.model or 'the default'}); give each model its own names")
+            seen[name] = config.model
+    return out
+
+
+def _options(table: dict[str, Any]) -> dict[str, Any]:
+    """A config file's table as ``EngineConfig.create`` keywords (``[speculative]`` is ``speculative_config``)."""
+    table = dict(table)
+    if "speculative" in table:
+        table["speculative_config"] = table.pop("speculative")
+    return table
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` wins, except that ``plugins`` tables merge per component, as in ``EngineConfig.create``."""
+    for layer in (base, over):
+        tables = layer.get("plugins") or {}
+        if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+            raise ValueError(f"plugins must map component names to option tables, got {tables!r}")
+    plugins = {k: dict(v) for k, v in (base.get("plugins") or {}).items()}
+    for key, table in (over.get("plugins") or {}).items():
+        plugins[key] = {**plugins.get(key, {}), **table}
+    return {**base, **{k: v for k, v in over.items() if v is not None}, "plugins": plugins}
+
+
+def _served_names(value: Any, index: int) -> list[str] | None:
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"models[{index}].served_model_name: a name or a list of names, got {value!r}")
+    return names
+
+
+def build_engine(config: EngineConfig, data_parallel_size: int, in_process: bool) -> Any:
+    """The engine ``serve`` runs for one model: data-parallel replicas, in this process, or (the default)
+    in an engine core process."""
+    from kvforge.async_engine import AsyncLLMEngine
+
+    if data_parallel_size > 1:
+        from kvforge.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(config, data_parallel_size)
+    if in_process:
+        return AsyncLLMEngine.from_config(config)
+    from kvforge.engine_process import EngineProcessClient
+
+    return EngineProcessClient(config)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvforge.async_engine import AsyncLLMEngine
-    from kvforge.cli import engine_kwargs
-    from kvforge.config import EngineConfig
     from kvforge.plugin_manager import get_plugin_manager
     from kvforge.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
-    kwargs = engine_kwargs(args)
-    model = args.model_tag or kwargs.pop("model", None)
-    kwargs.pop("model", None)
-    config = EngineConfig.create(kwargs.pop("config", None), model=model, **kwargs)
+    configs = served_model_configs(args)
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not any(c.enable_lora for c, _ in configs):
+        raise ValueError("--lora-modules / --allow-runtime-lora-updating: no served model runs with --enable-lora")
     api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
     chat_template = args.chat_template
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
-    served = args.served_model_name or [default_served_name(config.model)]
-    effective = {k: v for k, v in dataclasses.asdict(config).items()}
-    logger.info("kvforge serve: effective configuration: %s", json.dumps(effective, default=str))
+    for config, names in configs:
+        logger.info("kvforge serve: effective configuration of %s: %s", ", ".join(names),
+                    json.dumps(dataclasses.asdict(config), default=str))
     max_body = args.max_request_body_bytes if args.max_request_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
     if max_body < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_body}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    if args.data_parallel_size > 1:
-        from kvforge.data_parallel import DataParallelEngine
-
-        engine = DataParallelEngine(config, args.data_parallel_size)
-    elif args.engine_in_process:
-        engine = AsyncLLMEngine.from_config(config)
-    else:
-        from kvforge.engine_process import EngineProcessClient
-
-        engine = EngineProcessClient(config)
+    engines: list[tuple[Any, list[str]]] = []
+    try:
+        for config, names in configs:
+            engines.append((build_engine(config, args.data_parallel_size, args.engine_in_process), names))
+    except BaseException:  # a later model failed to load: stop the engines already built
+        for engine, _ in engines:
+            engine.shutdown()
+        raise
+    served = [name for _, names in engines for name in names]
     server: uvicorn.Server | None = None
 
     def stop_serving() -> None:  # the engine died: drain and exit non-zero
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine, served, api_key=api_key, chat_template=chat_template,
+    app = create_app(engines, api_key=api_key, chat_template=chat_template,
                      hook=get_plugin_manager().hook, trust_request_chat_template=args.trust_request_chat_template,
-                     max_request_body_bytes=max_body, on_engine_dead=stop_serving)
+                     max_request_body_bytes=max_body, on_engine_dead=stop_serving, lora_modules=args.lora_modules,
+                     allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     host, port = args.host, args.port
 
     class Server(uvicorn.Server):
@@ -109,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # no-op, so a graceful shutdown exits 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
-    return 0 if engine.error is None else 1
+    return 0 if all(engine.error is None for engine, _ in engines) else 1
 
 
 if __name__ == "__main__":

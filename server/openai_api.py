@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import JSONResponse
 
@@ -20,8 +20,11 @@ from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.errors import RequestFailedError
 from kvforge.server.disconnect import AbortingStreamingResponse
 from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
-from kvforge.server.metrics import ServerMetrics
+from kvforge.server.metrics import ModelMetrics
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from kvforge.server.models import ServedModel
 
 logger = logging.getLogger("kvforge.server")
 
@@ -36,10 +39,12 @@ def sse(obj: Any) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_names: list[str], metrics: ServerMetrics,
-                 chat_template: str | None = None, trust_request_chat_template: bool = False):
+    """One engine's endpoints. The app resolves a request's ``model`` (``ServedModels``) and passes the
+    ``ServedModel`` it got: its name goes in the response, its ``lora_request`` with the engine requests."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ModelMetrics, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.engine = engine
-        self.served_names = served_names
         self.metrics = metrics
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
@@ -48,13 +53,6 @@ class OpenAIServing:
         self._max_chars: int | None = None
 
     # -- checks shared by both endpoints ------------------------------------------------------------
-    def model_name(self, requested: str | None) -> str:
-        if requested is None:
-            return self.served_names[0]
-        if requested not in self.served_names:
-            raise APIError(404, f"The model `{requested}` does not exist.", "model", code="model_not_found")
-        return requested
-
     def max_tokens(self, prompt_len: int, requested: int | None, what: str) -> int:
         limit = self.engine.max_model_len
         if requested is None:
@@ -122,14 +120,16 @@ class OpenAIServing:
             raise APIError(400, f"{name}: {value} is more than max_logprobs={limit} (--max-logprobs)", name)
 
     # -- streams ----------------------------------------------------------------------------------
-    async def start(self, prompts: list[dict], params: list, request_id: str,
-                    priority: int) -> list[tuple[str, Any]]:
+    async def start(self, prompts: list[dict], params: list, request_id: str, priority: int,
+                    lora_request: Any = None) -> list[tuple[str, Any]]:
         """Queue one engine request per prompt; on a bad one (or a disconnect), abort those already queued."""
+        # NOTE: the keyword only when set: an engine without LoRA support takes no such argument
+        lora = {"lora_request": lora_request} if lora_request is not None else {}
         started = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                started.append((rid, await self.engine.add_request(prompt, p, rid, priority)))
+                started.append((rid, await self.engine.add_request(prompt, p, rid, priority, **lora)))
         except BaseException as exc:
             for rid, _ in started:
                 self.engine.abort(rid)
@@ -201,8 +201,8 @@ class OpenAIServing:
         if req.user is not None:
             logger.info("request from user %r", req.user)
 
-    async def chat(self, req: ChatCompletionRequest) -> JSONResponse | AbortingStreamingResponse:
-        model = self.model_name(req.model)
+    async def chat(self, req: ChatCompletionRequest, served: ServedModel) -> JSONResponse | AbortingStreamingResponse:
+        model = served.name
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
@@ -215,7 +215,8 @@ class OpenAIServing:
         params = self._params(req, max_tokens, top if req.logprobs else None)
         await self.check_constraint(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        started = await self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority)
+        started = await self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority,
+                                   served.lora_request)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -292,8 +293,9 @@ class OpenAIServing:
             raise APIError(400, f"{field}: {exc}", field) from None
 
     # -- completions ------------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest) -> JSONResponse | AbortingStreamingResponse:
-        model = self.model_name(req.model)
+    async def completions(self, req: CompletionRequest,
+                          served: ServedModel) -> JSONResponse | AbortingStreamingResponse:
+        model = served.name
         self.check_logprobs("logprobs", req.logprobs)
         self.check_common(req)
         prompts, params, texts = [], [], []
@@ -315,7 +317,7 @@ class OpenAIServing:
             texts.append(text)
         await self.check_constraint(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        started = await self.start(prompts, params, rid, req.priority)
+        started = await self.start(prompts, params, rid, req.priority, served.lora_request)
         created = int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
