@@ -34,7 +34,7 @@ class ModelRunner:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.device = device
-        self.builder = StepInputBuilder()
+        self.builder = StepInputBuilder(lora=self.worker.lora is not None)
         self.num_graph_verifications = 0  # steps whose drafts a CUDA graph verified (greedy, CUDAGraphRunner.head)
 
     # the driver worker's parts (tools and tests read them here)

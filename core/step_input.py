@@ -72,8 +72,10 @@ class StepInputBuilder:
     """Turns ``SchedulerOutput`` into (``StepInput``, ``StepPlan``), remembering the block tables the
     workers hold so that each step sends only their changes."""
 
-    def __init__(self) -> None:
+    def __init__(self, lora: bool = False) -> None:
+        """``lora``: the engine serves LoRA adapters (each step says which one each request runs under)."""
         self.sent: dict[str, list[int]] = {}  # request -> the block table the workers hold
+        self.lora = lora
 
     def build(self, out: SchedulerOutput, kv: KVCacheManager, graph_key: tuple[int, int] | None,
               prev_sample_reqs: list | None) -> tuple[StepInput, StepPlan]:
@@ -100,7 +102,7 @@ class StepInputBuilder:
                       else r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens))
         else:
             chunks = (r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens))
-        if any(r.lora_request is not None for r in reqs):
+        if self.lora and any(r.lora_request is not None for r in reqs):
             step.lora_ids = np.fromiter((r.lora_int_id for r in reqs), dtype=np.int64, count=n)
         ids = step.input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=total)
         ends = np.cumsum(q_lens)  # each request's end row

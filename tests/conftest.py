@@ -29,6 +29,13 @@ def default_model_path():
 
 
 @pytest.fixture(scope="session")
+def hf_base(default_model_path):
+    """The default model in transformers (dequantized from its GGUF, float32): the base of the LoRA tests' adapters."""
+    from lora_adapters import load_hf_base
+    return load_hf_base(default_model_path)
+
+
+@pytest.fixture(scope="session")
 def dummy_plugin_installed():
     """The third-party dummy plugin package, installed into this environment (once)."""
     try:

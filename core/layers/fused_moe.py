@@ -39,12 +39,13 @@ at T = 1 (71%), 564 us at T = 64 (84%) and 1.9 ms at T = 4096 (429 TFLOP/s).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvforge.triton_support import fit_block, kernel_loader
 
 #: activation name -> the code the gate/up kernel's ACTIVATION constexpr takes
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}
@@ -279,23 +280,9 @@ def pick_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     return next(tiles for bound, tiles in MOE_TILES.items() if average <= bound)
 
 
-def _fit(block: int, dim: int) -> int:
-    """``block`` shrunk to the dimension (a power of two >= 16, tl.dot's minimum): tiny test shapes."""
-    return min(block, max(16, 1 << (dim - 1).bit_length()))
-
-
 # ---- the Triton path --------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - a missing or broken triton means the torch reference
-        return None
-    from kvforge.layers.fused_moe_kernels import build_kernels
-
-    return triton, build_kernels(triton, tl)
+_triton = kernel_loader("kvforge.layers.fused_moe_kernels:build_kernels")
 
 
 def _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, *, activation, w13_bias, w2_bias, swiglu_alpha,
@@ -317,7 +304,7 @@ def _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, *, activation, w13
 
     # act: [num_rows, I], in sorted (padded) pair order
     act = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
-    block_n, block_k = _fit(tiles.block_n_up, inter), _fit(tiles.block_k, hidden)
+    block_n, block_k = fit_block(tiles.block_n_up, inter), fit_block(tiles.block_k, hidden)
     b13 = w13_bias if w13_bias is not None else w13
     grid = (blocks.num_blocks * -(-inter // block_n),)
     kernels["gate_up"][grid](
@@ -331,7 +318,7 @@ def _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, *, activation, w13
 
     # per_pair: [T * k, H], row t * k + j = topk_weights[t, j] * expert topk_ids[t, j]'s output for t
     per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    block_n, block_k = _fit(tiles.block_n_down, hidden), _fit(tiles.block_k, inter)
+    block_n, block_k = fit_block(tiles.block_n_down, hidden), fit_block(tiles.block_k, inter)
     b2 = w2_bias if w2_bias is not None else w2
     routing = topk_weights.reshape(-1).contiguous()
     grid = (blocks.num_blocks * -(-hidden // block_n),)

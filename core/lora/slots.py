@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvforge.input_buffers import h2d
 from kvforge.lora.adapter import adapter_modules, load_adapter_tensors, read_adapter_config
 from kvforge.lora.layers import LoRAContext, LoRALinear, wrap_model
 from kvforge.lora.ops import LoRABatch, group_request_rows
@@ -134,11 +133,15 @@ class LoRAManager:
         if not graph:
             ctx.grow(num_rows)
         # queued behind a step in flight that still reads the buffers (pinned: the CPU does not wait)
-        ctx.order[:len(order)].copy_(h2d(order, torch.int32, self.device), non_blocking=True)
-        ctx.starts.copy_(h2d(starts, torch.int32, self.device), non_blocking=True)
+        ctx.order[:len(order)].copy_(self._staged(order), non_blocking=True)
+        ctx.starts.copy_(self._staged(starts), non_blocking=True)
         ctx.active = True
         if not graph:
             ctx.batch = LoRABatch(ctx.order, ctx.starts, self.max_loras, int(np.diff(starts).max()), starts)
+
+    def _staged(self, host: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(host)
+        return t.pin_memory() if self.pin else t
 
     def capture_batch(self, num_rows: int) -> None:
         """Before capturing a graph of ``num_rows`` rows: the kernels' grid covers that many rows of

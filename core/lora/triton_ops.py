@@ -18,12 +18,13 @@ launch replays correctly for any grouping whose largest slot has at most ``max_r
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from kvforge.triton_support import fit_block, kernel_loader
 
 if TYPE_CHECKING:
     from kvforge.lora.ops import LoRABatch
@@ -62,23 +63,11 @@ def pick_tiles(max_rows: int, n: int, k: int, *, fp32: bool) -> SegmentTiles:
         # expand (K = rank, N = 1024..28672): one or a few K steps, and memory-bound on B [N, R] and
         # out's read-modify-write; narrow N tiles at decode put more programs on the SMs to stream them
         block_n, block_k, split_k = (64 if max_rows <= 32 else 128), 64, 1
-    return SegmentTiles(block_m=block_m, block_n=_fit(block_n, n), block_k=_fit(block_k, k), split_k=split_k,
+    return SegmentTiles(block_m=block_m, block_n=fit_block(block_n, n), block_k=fit_block(block_k, k), split_k=split_k,
                         num_warps=4, num_stages=3)
 
 
-def _fit(block: int, dim: int) -> int:
-    """``block`` shrunk to the dimension (a power of two >= 16, tl.dot's minimum): small ranks, tests."""
-    return min(block, max(16, 1 << max(dim - 1, 0).bit_length()))
-
-
-@functools.lru_cache(maxsize=1)
-def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - a missing or broken triton means the torch reference
-        return None
-    return triton, build_kernels(triton, tl)
+_triton = kernel_loader("kvforge.lora.triton_ops:build_kernels")
 
 
 def available() -> bool:

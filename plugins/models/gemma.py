@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge import parallel_state
 from kvforge.attention import AttentionBackend, AttentionMetadata
-from kvforge.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from kvforge.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.model import ModelCapabilities
 from kvforge.model_config import SLIDING, ModelConfig
-from kvforge.plugins.models.llama import LlamaForCausalLM, MissingLayer, RotaryEmbedding
+from kvforge.plugins.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
 
 class GemmaRMSNorm(nn.Module):
@@ -113,28 +112,26 @@ def local_rope_config(config: ModelConfig) -> ModelConfig | None:
                                rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None)
 
 
-class GemmaModel(nn.Module):
-    """Gemma's decoder stack (or one pipeline stage of it, as ``LlamaModel``)."""
+class GemmaModel(LlamaModel):
+    """Gemma's decoder stack (or one pipeline stage of it): Llama's, with Gemma's layers and final norm,
+    scaled embeddings, and Gemma 3's second RoPE for the sliding layers."""
+
+    layer_cls = GemmaDecoderLayer
 
     def __init__(self, config: ModelConfig, attn: AttentionBackend):
-        super().__init__()
-        stage = parallel_state.current_stage()
-        self.config = config
-        self.start, self.end = stage.layers(config.num_hidden_layers)
-        self.is_first, self.is_last = stage.is_first, stage.is_last
-        wants_embed = stage.is_first or (stage.is_last and config.tie_word_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if wants_embed else None
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, attn, i) if self.start <= i < self.end
-                                    else MissingLayer() for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
-        self.rotary_emb = RotaryEmbedding(config)
+        super().__init__(config, attn)
+        if self.norm is not None:
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         local = local_rope_config(config)
         self.rotary_emb_local = RotaryEmbedding(local) if local is not None else None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+
     def forward(self, input_ids, positions, kv_caches, attn_meta, intermediate=None):
         if self.is_first:
-            hidden = self.embed_tokens(input_ids)
-            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+            hidden = self.embed(input_ids)
         else:
             hidden = intermediate[0]
         ropes = {False: self.rotary_emb.bind(positions, hidden, attn_meta)}

@@ -9,18 +9,13 @@ import os
 import pytest
 
 from kvforge import LLM, LoRARequest, SamplingParams
-from lora_adapters import SPECS, AdapterSpec, load_hf_base, make_adapter, peft_greedy
+from lora_adapters import SPECS, AdapterSpec, make_adapter, peft_greedy
 
 MAX_TOKENS = 10
 TEXTS = ["The capital of France is", "SELECT name FROM users WHERE", "def fibonacci(n):", "Once upon a time, in a",
          "The three primary colours are", "import numpy as np\n", "Dear Sir or Madam,", "2 + 2 ="]
 #: which adapter (index into SPECS, None: the base model) each of the batch's prompts runs under
 ASSIGN = [0, 1, None, 2, 1, 0, 2, None, 0, 1]
-
-
-@pytest.fixture(scope="module")
-def hf_base(default_model_path):
-    return load_hf_base(default_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +36,19 @@ def prompt_ids(llm):
     return [tok.encode(t) for t in TEXTS]
 
 
-class References:
-    """transformers + peft greedy tokens, computed on first use: ``refs[k][i]`` for adapter index k (None:
-    the base model) on prompt i of TEXTS."""
+class References(dict):
+    """transformers + peft greedy tokens, computed on first use: ``refs[k, i]`` for adapter index k (None: the
+    base model) on prompt i of TEXTS."""
 
     def __init__(self, hf_base, adapters, prompt_ids):
+        super().__init__()
         self.hf_base, self.adapters, self.prompt_ids = hf_base, adapters, prompt_ids
-        self.done: dict[tuple, list[int]] = {}
 
-    def __getitem__(self, k):
-        refs = self
-
-        class Row:
-            def __getitem__(self, i):
-                if (k, i) not in refs.done:
-                    path = None if k is None else refs.adapters[k].lora_path
-                    refs.done[(k, i)] = peft_greedy(refs.hf_base, path, [refs.prompt_ids[i]], MAX_TOKENS)[0]
-                return refs.done[(k, i)]
-        return Row()
+    def __missing__(self, key):
+        k, i = key
+        path = None if k is None else self.adapters[k].lora_path
+        self[key] = peft_greedy(self.hf_base, path, [self.prompt_ids[i]], MAX_TOKENS)[0]
+        return self[key]
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +70,10 @@ def test_mixed_adapters_and_base_in_one_batch_match_peft_token_for_token(llm, ad
     loras = [None if k is None else adapters[k] for k in ASSIGN]
     outs = llm.generate(_prompts(prompt_ids, len(ASSIGN)), GREEDY, lora_request=loras, use_tqdm=False)
     for i, (k, out) in enumerate(zip(ASSIGN, outs)):
-        assert list(out.outputs[0].token_ids) == references[k][i % len(TEXTS)], (i, k)
+        assert list(out.outputs[0].token_ids) == references[k, i % len(TEXTS)], (i, k)
     for k in (0, 1, 2):  # every adapter changes what the model says
         prompts = {i % len(TEXTS) for i, a in enumerate(ASSIGN) if a == k}
-        assert any(references[k][i] != references[None][i] for i in prompts), SPECS[k].name
+        assert any(references[k, i] != references[None, i] for i in prompts), SPECS[k].name
     check_no_blocks(llm.llm_engine)
 
 
@@ -117,14 +107,14 @@ def test_max_loras_budgets_distinct_adapters_per_step(adapters, prompt_ids, refe
     outs = llm.generate(_prompts(prompt_ids, len(ASSIGN)), GREEDY, lora_request=loras, use_tqdm=False)
     assert max(len(s) for s in seen) == 1 and len(set().union(*seen)) == 3
     for i, (k, out) in enumerate(zip(ASSIGN, outs)):
-        assert list(out.outputs[0].token_ids) == references[k][i % len(TEXTS)], (i, k)
+        assert list(out.outputs[0].token_ids) == references[k, i % len(TEXTS)], (i, k)
 
 
 def test_host_cache_gives_back_the_least_recently_used_adapter(adapters, prompt_ids, references):
     llm = LLM(None, device="cpu", enable_lora=True, max_loras=1, max_cpu_loras=1, max_model_len=256, **SMALL_POOL)
     for k in (0, 1, 0, 2):
         out = llm.generate({"prompt_token_ids": prompt_ids[k]}, GREEDY, lora_request=adapters[k], use_tqdm=False)[0]
-        assert list(out.outputs[0].token_ids) == references[k][k]
+        assert list(out.outputs[0].token_ids) == references[k, k]
         assert [r.lora_int_id for r in llm.list_loras()] == [adapters[k].lora_int_id]
         worker = llm.llm_engine.executor.driver
         assert worker.lora.list() == [adapters[k].lora_int_id]
@@ -163,7 +153,7 @@ def test_bad_adapters_are_value_errors_and_cost_nothing_else(llm, adapters, prom
     loras = [None if k is None else adapters[k] for k in ASSIGN[:4]]
     outs = llm.generate(_prompts(prompt_ids, 4), GREEDY, lora_request=loras, use_tqdm=False)
     for i, (k, out) in enumerate(zip(ASSIGN, outs)):
-        assert list(out.outputs[0].token_ids) == references[k][i]
+        assert list(out.outputs[0].token_ids) == references[k, i]
     check_no_blocks(llm.llm_engine)
 
 

@@ -11,15 +11,10 @@ import pytest
 
 from conftest import API_KEY
 from kvforge.bench.serve import ProcessServer, free_port
-from lora_adapters import SPECS, AdapterSpec, load_hf_base, make_adapter, peft_greedy
+from lora_adapters import SPECS, AdapterSpec, make_adapter, peft_greedy
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def hf_base(default_model_path):
-    return load_hf_base(default_model_path)
 
 
 @pytest.fixture(scope="module")
