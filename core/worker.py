@@ -20,6 +20,7 @@ from kvforge import parallel_state
 from kvforge.attention import BatchLayout
 from kvforge.config import EngineConfig
 from kvforge.input_buffers import HostInputs, StagingBuffers, h2d
+from kvforge.memory_budget import MemoryBaseline, kv_cache_budget
 from kvforge.model_config import ModelConfig
 from kvforge.model_loader import ModelSource, load_model
 from kvforge.step_handle import logprob_tensors
@@ -83,8 +84,10 @@ class Worker:
         self.spec, self.rank = spec, rank
         config, mc = spec.config, spec.model_config
         self.device = spec.device_for(rank if local_rank is None else local_rank)
+        self.memory_baseline = None  # kvforge.memory_budget.MemoryBaseline on CUDA: before anything of ours
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            self.memory_baseline = MemoryBaseline.take(self.device)
         self.group, self.world, self.stage = init_world(spec, rank, self.device)
         torch.manual_seed(config.seed)
         dtype = config.torch_dtype
@@ -205,21 +208,21 @@ class Worker:
             want = max_num_seqs * -(-max_model_len // self.block_size)
             return max(1, min(want, (4 * GiB) // per_block))
         peak = self.profile_peak_memory(max_num_batched_tokens, max_num_seqs, max_model_len)
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        budget = total * gpu_memory_utilization - peak - max(non_torch, 0)
+        budget = kv_cache_budget(self.device, self.memory_baseline, peak, gpu_memory_utilization, self.rank)
         num_blocks = int(budget // per_block)
-        logger.info("rank %d KV cache: peak forward %.2f GiB, non-torch %.2f GiB, %.2f GiB of %.2f GiB for %d blocks",
-                    self.rank, peak / GiB, non_torch / GiB, max(budget, 0) / GiB, total / GiB, num_blocks)
         if num_blocks < 1:
+            own = (peak - self.memory_baseline.allocated) / GiB
             raise ValueError(
                 f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache on rank "
-                f"{self.rank} (model and peak activations take {peak / GiB:.2f} GiB of {total / GiB:.2f} GiB)")
+                f"{self.rank} (this engine's model and peak activations take {own:.2f} GiB; "
+                f"{torch.cuda.mem_get_info(self.device)[0] / GiB:.2f} GiB of the device is free)")
         return num_blocks
 
     @torch.inference_mode()
     def profile_peak_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
-        """Peak bytes allocated by one forward of a full token budget plus sampling of a full batch."""
+        """Peak bytes the process allocated during one forward of a full token budget plus sampling of a
+        full batch, the profile's KV cache excluded (other engines' tensors in this process included:
+        ``kvforge.memory_budget`` subtracts them)."""
         bs = self.block_size
         seq_len = min(max_num_batched_tokens, max_model_len)
         num_seqs = -(-max_num_batched_tokens // seq_len)

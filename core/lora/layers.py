@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvforge.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
-from kvforge.lora.ops import LoRABatch, segmented_matmul
+from kvforge.lora.ops import LoRABatch, segmented_matmul, tile_capacity
 
 #: the fused module names the Llama family's layers use; a checkpoint module maps onto them by the
 #: model's ``param_for`` (q_proj -> qkv_proj part "q")
@@ -35,21 +35,24 @@ class LoRAContext:
     CUDA graph reads each step's grouping after the worker copies it in."""
 
     def __init__(self, *, max_loras: int, max_rank: int, max_parts: int, max_tokens: int,
-                 device: torch.device):
-        self.max_loras, self.max_rank = max_loras, max_rank
+                 device: torch.device, dtype: torch.dtype):
+        self.max_loras, self.max_rank, self.max_parts, self.dtype = max_loras, max_rank, max_parts, dtype
         self.active = False  # False: no row has an adapter (eager steps skip the LoRA kernels)
-        self.order = torch.zeros(max_tokens, dtype=torch.int32, device=device)  # rows grouped by slot
         self.starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
-        # the shrink's output, reused by every layer in turn: [max_tokens, parts * max_rank] float32
-        self.scratch = torch.zeros(max_tokens, max_parts * max_rank, dtype=torch.float32, device=device)
         self.batch: LoRABatch | None = None
+        self._alloc(max_tokens, device)
+
+    def _alloc(self, num_rows: int, device: torch.device) -> None:
+        self.order = torch.zeros(num_rows, dtype=torch.int32, device=device)  # rows grouped by slot
+        self.tiles = torch.zeros(tile_capacity(num_rows, self.max_loras), 3, dtype=torch.int32, device=device)
+        # the shrink's output, reused by every layer in turn: [rows, parts * max_rank] in the model's
+        # dtype (rounded once, as peft's lora_A output is; 16-bit operands keep the expand on tensor cores)
+        self.scratch = torch.zeros(num_rows, self.max_parts * self.max_rank, dtype=self.dtype, device=device)
 
     def grow(self, num_rows: int) -> None:
         """Room for a step of ``num_rows`` rows (eager steps only: graphs never outgrow their capture)."""
         if num_rows > self.order.shape[0]:
-            self.order = torch.zeros(num_rows, dtype=torch.int32, device=self.order.device)
-            self.scratch = torch.zeros(num_rows, self.scratch.shape[1], dtype=torch.float32,
-                                       device=self.scratch.device)
+            self._alloc(num_rows, self.order.device)
 
 
 class LoRALinear(nn.Module):
@@ -109,7 +112,7 @@ class LoRALinear(nn.Module):
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows of slot s] += B_s (A_s x) for every slot s."""
         ctx = self.ctx
-        s = ctx.scratch[:x.shape[0], :self.lora_a.shape[1]]  # [T, parts * max_rank] float32
+        s = ctx.scratch[:x.shape[0], :self.lora_a.shape[1]]  # [T, parts * max_rank]
         segmented_matmul(x, self.lora_a, ctx.batch, s, accumulate=False)
         segmented_matmul(s, self.lora_b, ctx.batch, y, accumulate=True)
 

@@ -5,16 +5,20 @@ segmented GEMM (SGMV): group the token rows by adapter slot once per step (:func
 host, a stable sort), then each kernel program multiplies one slot's weights with a tile of that
 slot's rows, gathered through the grouping. LoRA needs two such products per adapted layer::
 
-    shrink: h[T, R]  = x[T, K=hidden] @ A[slot].T      (A: [S, R, K], R = 8..192, out float32)
+    shrink: h[T, R]  = x[T, K=hidden] @ A[slot].T      (A: [S, R, K], R = 8..192)
     expand: y[T, N] += h[T, R]        @ B[slot].T      (B: [S, N, R], N = 1024..28672, accumulate)
+
+The shrink's output h has the model's dtype (rounded once, as peft's bf16 ``lora_A`` output is), so
+that the expand multiplies 16-bit operands on the tensor cores.
 
 :func:`segmented_matmul` does both: the Triton kernel (``kvforge.lora.triton_ops``) on CUDA, the torch
 reference :func:`segmented_matmul_torch` elsewhere. Both compute the products in float32 and round once,
 when storing (for ``accumulate``, after adding the old value in float32).
 
-NOTE (CUDA graphs): the kernel's grid is sized by ``LoRABatch.max_rows``, a Python int fixed at
-capture (the graph's padded token count), never by the grouping; the grouping lives in device
-buffers (``order``, ``starts``) that a replay reads afresh, so one graph serves any grouping.
+NOTE (CUDA graphs): the kernel's grid is sized by the length of ``LoRABatch.tiles``, fixed at capture
+(:func:`tile_capacity` of the graph's padded token count), never by the grouping; the grouping lives in
+device buffers (``order``, ``starts``, ``tiles``) that a replay reads afresh, so one graph serves any
+grouping.
 """
 from __future__ import annotations
 
@@ -22,8 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from kvforge.lora import triton_ops
 
 IMPLS = ("auto", "torch", "triton")
 
@@ -87,52 +89,81 @@ def _starts(counts: np.ndarray, num_slots: int) -> np.ndarray:
 
 # ---- one step's grouping on the device --------------------------------------------------------------
 
+#: rows per kernel program: each slot's rows are cut into tiles of at most this many
+TILE_ROWS = 32
+
+
+def tile_capacity(num_rows: int, num_slots: int) -> int:
+    """Tiles that any grouping of ``num_rows`` rows over ``num_slots`` slots can need (each slot's last
+    tile may be partial): what a CUDA graph of ``num_rows`` rows sizes its grid by."""
+    return -(-num_rows // TILE_ROWS) + num_slots
+
+
+def tile_grouping(starts: np.ndarray, capacity: int) -> np.ndarray:
+    """The kernels' work list: int32 [capacity, 3], one ``(slot, first, rows)`` per tile, where tile
+    rows are ``order[first:first + rows]``, all of one slot, ``rows <= TILE_ROWS``; unused entries are
+    zeros (``rows == 0``: the program returns at once)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.diff(starts)
+    per_slot = -(-counts // TILE_ROWS)  # tiles of each slot
+    num_tiles = int(per_slot.sum())
+    if num_tiles > capacity:
+        raise ValueError(f"the grouping needs {num_tiles} row tiles; the capacity is {capacity}")
+    slot = np.repeat(np.arange(len(counts)), per_slot)
+    nth = np.arange(num_tiles) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot)  # tile index within its slot
+    first = starts[slot] + nth * TILE_ROWS
+    tiles = np.zeros((capacity, 3), dtype=np.int32)
+    tiles[:num_tiles] = np.stack([slot, first, np.minimum(TILE_ROWS, starts[slot + 1] - first)], axis=1)
+    return tiles
+
+
 @dataclass
 class LoRABatch:
     """One step's grouping of token rows by slot, as the kernels read it.
 
-    NOTE: ``order`` and ``starts`` are the buffers a CUDA graph captures: a new grouping is copied into
-    them (same tensors) before a replay, while ``max_rows`` stays the value the graph was captured with.
+    NOTE: ``order``, ``starts`` and ``tiles`` are the buffers a CUDA graph captures: a new grouping is
+    copied into them (same tensors) before a replay. The kernels' grid is ``tiles``' length, fixed at
+    capture (:func:`tile_capacity` of the graph's rows), never the grouping's actual tile count.
     """
 
     order: torch.Tensor  # [capacity] int32: rows grouped by slot; only the first starts[-1] meaningful
     starts: torch.Tensor  # [num_slots + 1] int32: slot s's rows are order[starts[s]:starts[s + 1]]
+    tiles: torch.Tensor  # [tile capacity, 3] int32: tile_grouping(starts), the kernels' work list
     num_slots: int
-    max_rows: int  # >= the rows of any one slot this step (sizes the kernel grid; graphs: padded T)
     host_starts: np.ndarray | None = None  # [num_slots + 1] the same starts on the host; None in graphs
 
     def __post_init__(self):
-        if self.num_slots < 0 or self.max_rows < 0:
-            raise ValueError(f"LoRABatch: num_slots ({self.num_slots}) and max_rows ({self.max_rows}) must be >= 0")
-        for name in ("order", "starts"):
+        if self.num_slots < 0:
+            raise ValueError(f"LoRABatch: num_slots ({self.num_slots}) must be >= 0")
+        for name, dims in (("order", 1), ("starts", 1), ("tiles", 2)):
             t = getattr(self, name)
-            if t.dtype != torch.int32 or t.dim() != 1:
-                raise ValueError(f"LoRABatch.{name} must be 1-D int32; got {t.dtype} {tuple(t.shape)}")
+            if t.dtype != torch.int32 or t.dim() != dims:
+                raise ValueError(f"LoRABatch.{name} must be {dims}-D int32; got {t.dtype} {tuple(t.shape)}")
+        if self.tiles.shape[1] != 3:
+            raise ValueError(f"LoRABatch.tiles must be [tiles, 3]; got {tuple(self.tiles.shape)}")
         if self.starts.shape[0] != self.num_slots + 1:
             raise ValueError(f"LoRABatch.starts has {self.starts.shape[0]} entries, expected num_slots + 1 = "
                              f"{self.num_slots + 1}")
-        if self.host_starts is not None:
-            if self.host_starts.shape != (self.num_slots + 1,):
-                raise ValueError(f"LoRABatch.host_starts has shape {self.host_starts.shape}, expected "
-                                 f"({self.num_slots + 1},)")
-            largest = int(np.diff(self.host_starts).max(initial=0))
-            if largest > self.max_rows:
-                raise ValueError(f"LoRABatch.max_rows ({self.max_rows}) is below a slot's {largest} rows")
+        if self.host_starts is not None and self.host_starts.shape != (self.num_slots + 1,):
+            raise ValueError(f"LoRABatch.host_starts has shape {self.host_starts.shape}, expected "
+                             f"({self.num_slots + 1},)")
 
     @classmethod
     def from_grouping(cls, order: np.ndarray, starts: np.ndarray, *, device: torch.device | str,
-                      capacity: int | None = None, max_rows: int | None = None) -> LoRABatch:
-        """A batch from :func:`group_rows`'s result: ``order`` zero-padded to ``capacity`` (default: its
-        length), ``max_rows`` by default the largest slot's rows."""
+                      capacity: int | None = None, tiles: int | None = None) -> LoRABatch:
+        """A batch from :func:`group_rows`'s result: ``order`` zero-padded to ``capacity`` rows (default:
+        its length), a work list of ``tiles`` entries (default: the tiles the grouping needs;
+        ``ValueError`` if fewer)."""
         capacity = len(order) if capacity is None else capacity
         if capacity < len(order):
             raise ValueError(f"capacity ({capacity}) is below the {len(order)} grouped rows")
         padded = np.zeros(capacity, dtype=np.int32)
         padded[:len(order)] = order
         starts = starts.astype(np.int32)
-        largest = int(np.diff(starts).max(initial=0))
+        need = int((-(-np.diff(starts) // TILE_ROWS)).sum())
+        work = tile_grouping(starts, need if tiles is None else tiles)
         return cls(order=torch.from_numpy(padded).to(device), starts=torch.from_numpy(starts).to(device),
-                   num_slots=len(starts) - 1, max_rows=largest if max_rows is None else max_rows, host_starts=starts)
+                   tiles=torch.from_numpy(work).to(device), num_slots=len(starts) - 1, host_starts=starts)
 
 
 # ---- the matmul --------------------------------------------------------------------------------------
@@ -146,6 +177,8 @@ def segmented_matmul(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, o
     column slice of a wider tensor). ``impl``: "auto" (Triton for CUDA tensors where triton imports,
     else torch), "torch", or "triton" (also on the CPU under TRITON_INTERPRET=1, for tests).
     """
+    from kvforge.lora import triton_ops  # (it imports this module's TILE_ROWS)
+
     _check_args(x, weights, batch, out, impl)
     if impl == "auto":
         impl = "triton" if x.is_cuda and triton_ops.available() else "torch"

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvforge.lora.adapter import adapter_modules, load_adapter_tensors, read_adapter_config
 from kvforge.lora.layers import LoRAContext, LoRALinear, wrap_model
-from kvforge.lora.ops import LoRABatch, group_request_rows
+from kvforge.lora.ops import LoRABatch, group_request_rows, tile_capacity, tile_grouping
 from kvforge.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class LoRAManager:
         self.model, self.device, self.num_layers = model, device, num_layers
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.ctx = LoRAContext(max_loras=max_loras, max_rank=max_lora_rank, max_parts=3, max_tokens=max_tokens,
-                               device=device)
+                               device=device, dtype=activation_dtype(model))
         self.layers: dict[str, LoRALinear] = wrap_model(model, self.ctx)
         if not self.layers:
             raise ValueError(f"enable_lora: {type(model).__name__} has no projection LoRA can adapt")
@@ -123,6 +123,7 @@ class LoRAManager:
             ctx.active = graph
             if graph:
                 ctx.starts.zero_()
+                ctx.tiles.zero_()
             return
         ids = [int(i) for i in np.unique(lora_ids) if i]
         slots = self._slots_for(ids)
@@ -132,12 +133,16 @@ class LoRAManager:
         order, starts = group_request_rows(lut[lora_ids], query_lens, self.max_loras)
         if not graph:
             ctx.grow(num_rows)
+        # the whole work list (unused entries zero), so that a graph of any size reads a complete one
+        tiles = tile_grouping(starts, ctx.tiles.shape[0])
         # queued behind a step in flight that still reads the buffers (pinned: the CPU does not wait)
         ctx.order[:len(order)].copy_(self._staged(order), non_blocking=True)
         ctx.starts.copy_(self._staged(starts), non_blocking=True)
+        ctx.tiles.copy_(self._staged(tiles), non_blocking=True)
         ctx.active = True
         if not graph:
-            ctx.batch = LoRABatch(ctx.order, ctx.starts, self.max_loras, int(np.diff(starts).max()), starts)
+            need = tile_capacity(num_rows, self.max_loras)
+            ctx.batch = LoRABatch(ctx.order, ctx.starts, ctx.tiles[:need], self.max_loras, starts)
 
     def _staged(self, host: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(host)
@@ -146,5 +151,17 @@ class LoRAManager:
     def capture_batch(self, num_rows: int) -> None:
         """Before capturing a graph of ``num_rows`` rows: the kernels' grid covers that many rows of
         one slot, and the grouping is read from the static buffers at replay."""
-        self.ctx.active = True
-        self.ctx.batch = LoRABatch(self.ctx.order, self.ctx.starts, self.max_loras, num_rows, None)
+        ctx = self.ctx
+        ctx.active = True
+        ctx.batch = LoRABatch(ctx.order, ctx.starts, ctx.tiles[:tile_capacity(num_rows, self.max_loras)],
+                              self.max_loras, None)
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's projections compute in (their ``params_dtype``; quantized weights may
+    be stored in another)."""
+    for m in model.modules():
+        dtype = getattr(m, "params_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return next(model.parameters()).dtype

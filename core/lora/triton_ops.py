@@ -1,11 +1,13 @@
 """The Triton kernels behind :func:`kvforge.lora.ops.segmented_matmul` (that module states the contract).
 
-Punica-style segmented GEMM: the grid is (row tiles of ``max_rows`` [x K splits], N tiles, slots). A
-program reads its slot's segment ``starts[slot]:starts[slot + 1]`` of the grouped row order, returns at
-once when its row tile lies past the segment, gathers its rows of x through ``order``, multiplies them
-with its slot's weights in BLOCK_K steps (``tl.dot``, float32 accumulator) and stores, or adds to the
-old values in float32 and stores, with masks on rows and N. Rows of no slot are never in ``order``,
-so nothing touches them.
+Punica-style segmented GEMM over a work list: the grid is (entries of ``LoRABatch.tiles`` [x K splits],
+N tiles). A program reads its tile ``(slot, first, rows)`` (``rows == 0``: an unused entry, it returns
+at once), gathers its rows of x through ``order[first:first + rows]``, multiplies them with its slot's
+weights in BLOCK_K steps (``tl.dot``, float32 accumulator) and stores, or adds to the old values in
+float32 and stores, with masks on rows and N. Rows of no slot are never in ``order``, so nothing
+touches them. The work list (built on the host, ``kvforge.lora.ops.tile_grouping``) holds only the
+tiles a step needs, so a graph sized for 512 rows launches 24 programs per N tile and K split, not a
+row tile per slot for every possible slot size.
 
 The shrink at decode (few rows, N = rank small, K = hidden large) would be a handful of programs each
 walking all of K; there K is split across programs, each writing a float32 partial product to a
@@ -13,8 +15,11 @@ workspace at the rows' grouped positions, and a second kernel sums the partials 
 stores: deterministic, no atomics (the price: one more launch, and ``split_k * T * N`` float32 bytes).
 
 NOTE (CUDA graphs): no host synchronisation, no ``.item()``; the grid and the tiles depend on shapes
-and the Python int ``max_rows`` only, while the grouping is read from device memory, so a captured
-launch replays correctly for any grouping whose largest slot has at most ``max_rows`` rows.
+and the work list's length only, while the grouping is read from device memory, so a captured launch
+replays correctly for any grouping that fits the work list.
+
+Tiles measured on an H100 (benchmarks/lora_kernels.py, 256 decode rows over 8 rank-16 adapters,
+Llama-3-8B shapes): shrink 32 x 64 x 128 with 8 K splits (16 for K = 14336), expand 32 x 128.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvforge.lora.ops import TILE_ROWS
 from kvforge.triton_support import fit_block, kernel_loader
 
 if TYPE_CHECKING:
@@ -47,24 +53,21 @@ class SegmentTiles:
     num_stages: int
 
 
-def pick_tiles(max_rows: int, n: int, k: int, *, fp32: bool) -> SegmentTiles:
-    """Tiles for a launch over slots of up to ``max_rows`` rows (shapes only: graph-safe). ``fp32``: the
-    dot runs on float32 operands (a 64-wide K step then, half the registers of a 16-bit 128-wide one).
-    Not tuned on a GPU yet: chosen from the shapes' arithmetic, as written below."""
-    # rows per slot are few at decode (a 64-row tile of 2 rows is 97% padding): follow max_rows
-    block_m = 16 if max_rows <= 16 else 32 if max_rows <= 32 else 64
+def pick_tiles(num_tiles: int, n: int, k: int, *, fp32: bool) -> SegmentTiles:
+    """Tiles for a launch over a work list of ``num_tiles`` row tiles (shapes only: graph-safe).
+    ``fp32``: the dot runs on float32 operands (a 64-wide K step then, half the registers of a 16-bit
+    128-wide one). Rows per program are always ``TILE_ROWS`` (the work list's tiles)."""
     if n < k:
         # shrink (N = rank 8..192, K = hidden): one N tile covers most ranks, so x is read once; a long
-        # K walk, hence wide K steps. With at most 64 rows a slot there are too few programs to stream
-        # A [R, K] at bandwidth: split K so that each program keeps >= 4 steps, up to 8 splits.
-        block_n, block_k = 64, (64 if fp32 else 128)
-        split_k = max(1, min(8, k // (4 * block_k))) if max_rows <= 64 else 1
+        # K walk. At decode there are too few row tiles to stream A [R, K] at bandwidth: split K (about
+        # 512 columns a split, up to 16 splits) unless the work list alone fills the GPU (prefill)
+        block_n, block_k, stages = 64, (64 if fp32 else 128), 3
+        split_k = 1 if num_tiles >= 128 else max(1, min(16, k // 512))
     else:
-        # expand (K = rank, N = 1024..28672): one or a few K steps, and memory-bound on B [N, R] and
-        # out's read-modify-write; narrow N tiles at decode put more programs on the SMs to stream them
-        block_n, block_k, split_k = (64 if max_rows <= 32 else 128), 64, 1
-    return SegmentTiles(block_m=block_m, block_n=fit_block(block_n, n), block_k=fit_block(block_k, k), split_k=split_k,
-                        num_warps=4, num_stages=3)
+        # expand (K = rank, N = 1024..28672): one or a few K steps, memory-bound on out's read-modify-write
+        block_n, block_k, split_k, stages = 128, 64, 1, 2
+    return SegmentTiles(block_m=TILE_ROWS, block_n=fit_block(block_n, n), block_k=fit_block(block_k, k),
+                        split_k=split_k, num_warps=4, num_stages=stages)
 
 
 _triton = kernel_loader("kvforge.lora.triton_ops:build_kernels")
@@ -79,21 +82,21 @@ def build_kernels(triton, tl):
     """The kernels, built once (triton passed in, so that importing this module never needs it)."""
 
     @triton.jit
-    def segment_kernel(x_ptr, w_ptr, dest_ptr, order_ptr, starts_ptr, N, K,
+    def segment_kernel(x_ptr, w_ptr, dest_ptr, order_ptr, tiles_ptr, N, K,
                        stride_xm, stride_xk, stride_ws, stride_wn, stride_wk, stride_dsplit, stride_dm, stride_dn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, CAST_FP32: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
         """dest[rows of one slot's row tile, N tile] (=, +=) x[rows] @ w[slot]^T, or one K split's partial."""
-        pid_m = tl.program_id(0) // SPLIT_K
+        tile = tl.program_id(0) // SPLIT_K
         split = tl.program_id(0) % SPLIT_K
         pid_n = tl.program_id(1)
-        slot = tl.program_id(2)
-        first = tl.load(starts_ptr + slot)
-        count = tl.load(starts_ptr + slot + 1) - first
-        if pid_m * BLOCK_M >= count:
+        count = tl.load(tiles_ptr + tile * 3 + 2)
+        if count == 0:
             return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(tiles_ptr + tile * 3)
+        first = tl.load(tiles_ptr + tile * 3 + 1)
+        offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < count
         rows = tl.load(order_ptr + first + offs_m, mask=row_ok, other=0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,9 +159,9 @@ def build_kernels(triton, tl):
 
 
 def segmented_matmul_triton(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, out: torch.Tensor, *,
-                            accumulate: bool) -> None:
+                            accumulate: bool, tiles: SegmentTiles | None = None) -> None:
     """segmented_matmul's Triton path (arguments already checked by it): x [T, K], weights [S, N, K],
-    out [T, N], any strides."""
+    out [T, N], any strides. ``tiles``: :func:`pick_tiles`'s choice by default (benchmarks sweep others)."""
     loaded = _triton()
     if loaded is None:
         raise ValueError("segmented_matmul: impl 'triton' needs triton, which does not import here")
@@ -167,30 +170,30 @@ def segmented_matmul_triton(x: torch.Tensor, weights: torch.Tensor, batch: LoRAB
     for name, t in (("x", x), ("weights", weights), ("out", out)):
         if t.dtype not in _DTYPES:
             raise ValueError(f"segmented_matmul: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
-    if batch.num_slots > 65535:  # the grid's third axis
-        raise ValueError(f"segmented_matmul: {batch.num_slots} slots exceed the Triton path's 65535")
     triton, kernels = loaded
     num_rows, k = x.shape
     n = weights.shape[1]
-    if num_rows == 0 or n == 0 or batch.num_slots == 0 or batch.max_rows == 0:
+    num_tiles = batch.tiles.shape[0]
+    if num_rows == 0 or n == 0 or batch.num_slots == 0 or num_tiles == 0:
         return
     # 16-bit operands of one dtype go to the tensor cores as they are (exact products, float32 sums);
     # anything else is widened to float32 and multiplied exactly ("ieee", not tf32), like the reference
     cast = not (x.dtype == weights.dtype and x.dtype != torch.float32)
-    tiles = pick_tiles(batch.max_rows, n, k, fp32=cast)
+    tiles = tiles or pick_tiles(num_tiles, n, k, fp32=cast)
+    if tiles.block_m != TILE_ROWS:
+        raise ValueError(f"segmented_matmul: block_m must be the work list's TILE_ROWS ({TILE_ROWS}); got {tiles.block_m}")
     common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k,
                   ACCUMULATE=accumulate, EVEN_K=k % tiles.block_k == 0, CAST_FP32=cast,
                   DOT_PRECISION="ieee" if cast else "tf32", num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    grid = (triton.cdiv(batch.max_rows, tiles.block_m) * tiles.split_k, triton.cdiv(n, tiles.block_n),
-            batch.num_slots)
+    grid = (num_tiles * tiles.split_k, triton.cdiv(n, tiles.block_n))
     if tiles.split_k == 1:
-        kernels["segment"][grid](x, weights, out, batch.order, batch.starts, n, k, x.stride(0), x.stride(1),
+        kernels["segment"][grid](x, weights, out, batch.order, batch.tiles, n, k, x.stride(0), x.stride(1),
                                  weights.stride(0), weights.stride(1), weights.stride(2), 0, out.stride(0),
                                  out.stride(1), **common)
         return
     # partial: [split_k, T, N] float32, row p = the p-th grouped row (order[p])
     partial = torch.empty((tiles.split_k, num_rows, n), dtype=torch.float32, device=x.device)
-    kernels["segment"][grid](x, weights, partial, batch.order, batch.starts, n, k, x.stride(0), x.stride(1),
+    kernels["segment"][grid](x, weights, partial, batch.order, batch.tiles, n, k, x.stride(0), x.stride(1),
                              weights.stride(0), weights.stride(1), weights.stride(2), partial.stride(0),
                              partial.stride(1), partial.stride(2), **common)
     grid = (triton.cdiv(num_rows, REDUCE_BLOCK_M), triton.cdiv(n, tiles.block_n))

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from kvforge.lora import ops, triton_ops
-from kvforge.lora.ops import LoRABatch, group_request_rows, group_rows, segmented_matmul
+from kvforge.lora.ops import (
+    TILE_ROWS,
+    LoRABatch,
+    group_request_rows,
+    group_rows,
+    segmented_matmul,
+    tile_capacity,
+    tile_grouping,
+)
 from testing_support import IN_INTERPRETER, interpreted
 
 outside_interpreter = pytest.mark.skipif(IN_INTERPRETER, reason="outside the interpreter only")
@@ -92,9 +100,9 @@ def test_bad_groupings_are_value_errors_naming_the_field():
         group_rows(np.array([0, 3, -1]), 3)
     with pytest.raises(ValueError, match="query_lens must be integers >= 0"):
         group_request_rows(np.array([0, 1]), np.array([2, -1]), 2)
-    order, starts = group_rows(np.array([0, 0, 0, 1]), 2)
-    with pytest.raises(ValueError, match=r"max_rows \(2\) is below a slot's 3 rows"):
-        LoRABatch.from_grouping(order, starts, device="cpu", max_rows=2)
+    order, starts = group_rows(np.array([0] * 33 + [1]), 2)  # slot 0: two tiles, slot 1: one
+    with pytest.raises(ValueError, match=r"the grouping needs 3 row tiles; the capacity is 2"):
+        LoRABatch.from_grouping(order, starts, device="cpu", tiles=2)
 
 
 # ---- the torch path ----------------------------------------------------------------------------------
@@ -124,7 +132,7 @@ def test_torch_path_without_host_starts_reads_the_device_starts():
     x, weights, out, _, order, starts = make_case(5, 16, 8, 2, row_slots, x_dtype=torch.float32,
                                                   w_dtype=torch.float32, out_dtype=torch.float32)
     before = out.clone()
-    batch = LoRABatch.from_grouping(order, starts, device="cpu", capacity=9, max_rows=5)
+    batch = LoRABatch.from_grouping(order, starts, device="cpu", capacity=9, tiles=tile_capacity(9, 2))
     batch.host_starts = None
     segmented_matmul(x, weights, batch, out, accumulate=True, impl="torch")
     close(out, per_row(x, weights, row_slots, before, True))
@@ -181,7 +189,7 @@ def interpreter_dot_widens_bf16(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
 
 
-#: (K, N): shrink-like (N < K) and expand-like (K < N); 1024 x 16 splits K over 4 programs
+#: (K, N): shrink-like (N < K) and expand-like (K < N); 1024 x 16 splits K over 2 programs
 SHAPES = {"shrink": (64, 24), "expand": (24, 80), "split_k": (1024, 16)}
 #: slot 2 gets no rows; -1 rows are the base model's
 ROW_SLOTS = [0, -1, 1, 1, 3, 0, -1, 3, 3, 1, 0, 0, -1, 4, 0, 3, 1, 1, 0, -1, 0]
@@ -225,23 +233,38 @@ def test_expand_of_float32_rows_with_16bit_weights_matches_torch(out_dtype):
 @interpreted
 @pytest.mark.parametrize("shape", ["expand", "split_k"])
 def test_kernel_with_a_graph_sized_batch(shape):
-    """As under a CUDA graph: max_rows is the padded token count and order has spare capacity."""
-    check_kernel(shape, torch.float32, torch.float32, torch.float32, True, max_rows=40, capacity=32)
+    """As under a CUDA graph: the work list is sized for a padded token count (unused entries) and order
+    has spare capacity."""
+    check_kernel(shape, torch.float32, torch.float32, torch.float32, True, tiles=tile_capacity(40, 5), capacity=32)
 
 
 @interpreted
 def test_kernel_with_several_row_tiles_in_a_slot():
-    row_slots = [0] * 70 + [-1, 1, 1, -1, 3]  # slot 0: 70 rows, two 64-row tiles
+    row_slots = [0] * 70 + [-1, 1, 1, -1, 3]  # slot 0: 70 rows, three 32-row tiles
     check_kernel("expand", torch.float32, torch.float32, torch.float32, True, row_slots=row_slots, views=False)
-    assert triton_ops.pick_tiles(70, 80, 24, fp32=True).block_m == 64
+    assert triton_ops.pick_tiles(5, 80, 24, fp32=True).block_m == TILE_ROWS == 32
 
 
 @outside_interpreter
 def test_tiles_follow_the_shape():
-    shrink_decode = triton_ops.pick_tiles(8, 48, 4096, fp32=False)
+    shrink_decode = triton_ops.pick_tiles(24, 48, 4096, fp32=False)  # a 512-row graph over 8 slots
     assert (shrink_decode.block_n, shrink_decode.block_k, shrink_decode.split_k) == (64, 128, 8)
+    assert triton_ops.pick_tiles(24, 16, 14336, fp32=False).split_k == 16  # down_proj: capped
     assert triton_ops.pick_tiles(256, 48, 4096, fp32=False).split_k == 1  # prefill: enough row tiles
-    expand = triton_ops.pick_tiles(256, 6144, 48, fp32=True)
-    assert (expand.block_m, expand.block_n, expand.block_k, expand.split_k) == (64, 128, 64, 1)
+    expand = triton_ops.pick_tiles(24, 6144, 48, fp32=False)
+    assert (expand.block_m, expand.block_n, expand.block_k, expand.split_k) == (32, 128, 64, 1)
     assert triton_ops.pick_tiles(4, 6144, 8, fp32=True).block_k == 16  # tl.dot's minimum
     assert ops.IMPLS == ("auto", "torch", "triton")
+
+
+@outside_interpreter
+def test_work_list_cuts_each_slot_into_tiles():
+    counts = [70, 0, 3, 32, 33]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    tiles = tile_grouping(starts, tile_capacity(sum(counts), len(counts)))
+    want = []
+    for slot, c in enumerate(counts):
+        for first in range(0, c, TILE_ROWS):
+            want.append([slot, starts[slot] + first, min(TILE_ROWS, c - first)])
+    assert tiles.dtype == np.int32 and tiles.shape == (tile_capacity(138, 5), 3)
+    assert tiles[:len(want)].tolist() == want and not tiles[len(want):].any()  # unused entries: zero rows
