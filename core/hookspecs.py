@@ -153,6 +153,33 @@ def register_quantization_methods(register: Register) -> None:
 
 
 @hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (model output text -> content and function calls) by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.tool_parsing.ToolParser` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads. The server looks a parser up by name with
+    :func:`kvforge.tool_parsing.get_tool_parser` and builds one instance per request (it keeps streaming
+    state). docs/plugins.md gives the contract and its streaming invariant.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers (model output text -> reasoning content and content) by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.tool_parsing.ReasoningParser` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads. The server looks a parser up by name with
+    :func:`kvforge.tool_parsing.get_reasoning_parser` and builds one instance per request.
+    """
+
+
+@hookspec
 def engine_created(engine: Any) -> None:
     """Called once when an :class:`kvforge.engine.LLMEngine` has been fully built.
 

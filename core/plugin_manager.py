@@ -33,6 +33,8 @@ KINDS: dict[str, str] = {
     "model": "register_models",
     "executor": "register_executors",
     "quantization_method": "register_quantization_methods",
+    "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
 }
 
 

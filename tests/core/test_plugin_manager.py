@@ -60,6 +60,8 @@ def test_every_registration_hook(pm):
         register_executors=lambda register: register("fake_exec", "kvforge.executor:UniExecutor"),
         register_quantization_methods=lambda register: register(
             "fake_quant", "kvforge.plugins.quantization.fp8:Fp8Quantization"),
+        register_tool_parsers=lambda register: register("fake_tools", "kvforge.tool_parsing:ToolParser"),
+        register_reasoning_parsers=lambda register: register("fake_reasoning", "kvforge.tool_parsing:ReasoningParser"),
     )
     pm.register(plugin, "fake")
     try:
@@ -73,6 +75,8 @@ def test_every_registration_hook(pm):
         assert pm.get("quantization_method", "fake_quant").__name__ == "Fp8Quantization"
         assert pm.get("logits_processor", "fake_lp").__name__ == "LogitsProcessor"
         assert pm.get("executor", "fake_exec").name == "uni"
+        assert pm.get("tool_parser", "fake_tools").__name__ == "ToolParser"
+        assert pm.get("reasoning_parser", "fake_reasoning").__name__ == "ReasoningParser"
         assert pm.plugins["fake"].registers["sampler"] == ["fake_sampler"]
     finally:
         pm.unregister("fake")
@@ -222,7 +226,10 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
                                             "logits_processor": ["fault"], "drafter": ["dummy_repeat"],
                                             "executor": ["dummy_counting"],
-                                            "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM"]}
+                                            "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM"],
+                                            "tool_parser": ["dummy_xml"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
     assert report["quantization"]["registers"] == {
         "quantization_method": ["fp8", "int4", "awq", "gptq", "compressed-tensors"]}
+    assert report["tool_parsers"]["registers"] == {"tool_parser": ["hermes", "llama3_json", "mistral", "pythonic"]}
+    assert report["reasoning_parsers"]["registers"] == {"reasoning_parser": ["deepseek_r1", "qwen3"]}

@@ -1,5 +1,5 @@
 """A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter, an executor,
-a quantization method and a model architecture (Granite)."""
+a quantization method, a model architecture (Granite) and a tool-call parser."""
 import kvforge
 
 
@@ -36,3 +36,8 @@ def register_executors(register):
 @kvforge.hookimpl
 def register_models(register):
     register("GraniteForCausalLM", "kvforge_dummy_plugin.granite:GraniteForCausalLM")
+
+
+@kvforge.hookimpl
+def register_tool_parsers(register):
+    register("dummy_xml", "kvforge_dummy_plugin.tool_parser:DummyXmlToolParser")
