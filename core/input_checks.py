@@ -56,6 +56,8 @@ def check_request(ids: list[int], params: SamplingParams, *, config: EngineConfi
         if name not in registered:
             raise ValueError(f"logits_processors: unknown logits processor {name!r}; valid names: "
                              f"{', '.join(registered) or '(none)'}")
+    if params.extra_args:
+        check_extra_args(params, field="extra_args", strict=False)
     if (params.bad_words or params.structured_outputs) and tokenizer is None:
         field = "bad_words" if params.bad_words else "structured_outputs"
         raise ValueError(f"{field}: needs a tokenizer, and this model has none")
@@ -63,6 +65,45 @@ def check_request(ids: list[int], params: SamplingParams, *, config: EngineConfi
     if params.n > limit:
         raise ValueError(f"n: {params.n} is more than the limit of {limit} "
                          f"(max_n={config.max_n}, max_num_seqs={config.max_num_seqs})")
+
+
+def check_extra_args(params: SamplingParams, *, field: str, strict: bool = True) -> None:
+    """``params.extra_args`` against the ``request_options`` of the logits processors the request enables
+    (``kvforge.sampler.LogitsProcessor``): each key a processor's options declare is checked on its own,
+    then the processor's keys together; a bad value is a ``ValueError`` naming ``field.key``. With
+    ``strict`` (over HTTP: no field is silently ignored), a key no enabled processor declares is one too."""
+    import dataclasses
+
+    from kvforge.plugin_manager import get_plugin_manager
+
+    args = params.extra_args or {}
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise ValueError(f"{field}: must be a dict with string keys")
+    pm = get_plugin_manager()
+    claimed: set[str] = set()
+    for name in params.logits_processors or []:
+        options = getattr(pm.get("logits_processor", name), "request_options", None)
+        if options is None:
+            continue
+        keys = {f.name for f in dataclasses.fields(options)}
+        claimed |= keys
+        mine = {k: v for k, v in args.items() if k in keys}
+        for key, value in mine.items():
+            _build(options, {key: value}, f"{field}.{key}", name)
+        _build(options, mine, field, name)
+    if strict:
+        unknown = sorted(set(args) - claimed)
+        if unknown:
+            enabled = ", ".join(params.logits_processors or []) or "none"
+            raise ValueError(f"{field}.{unknown[0]}: no logits processor this request enables takes it (enabled: "
+                             f"{enabled}; each one's arguments are listed by `kvforge plugins`)")
+
+
+def _build(options: type, kwargs: dict, where: str, name: str) -> None:
+    try:
+        options(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc} (logits processor {name!r})") from None
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:

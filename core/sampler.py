@@ -20,9 +20,25 @@ class LogitsProcessor(ABC):
     """A batch-level logits transform that requests enable by name (``SamplingParams.logits_processors``).
 
     Registered through the ``register_logits_processors`` hook; built once per engine, on first use.
+
+    ``request_options``: the per-request arguments the processor reads from
+    ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP), as a dataclass whose fields all have
+    defaults and whose ``__post_init__`` raises ``ValueError`` on a bad value. Requests are checked
+    against it before they are queued (a ``ValueError`` / 400 naming the key); ``options_of(request)``
+    gives ``apply`` the parsed options. None: the processor takes no arguments.
     """
 
     name: str = ""
+    request_options: type | None = None
+
+    @classmethod
+    def options_of(cls, request: Request) -> Any:
+        """``request_options`` built from the request's ``extra_args`` (the keys it declares)."""
+        import dataclasses
+
+        args = request.sampling_params.extra_args or {}
+        keys = {f.name for f in dataclasses.fields(cls.request_options)}
+        return cls.request_options(**{k: v for k, v in args.items() if k in keys})
 
     def __init__(self, *, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size

@@ -36,6 +36,9 @@ from kvforge.server.metrics import ServerMetrics
 from kvforge.server.models import ServedModel, ServedModels
 from kvforge.server.openai_api import OpenAIServing
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvforge.server.response_store import ResponseStore
+from kvforge.server.responses_api import add_responses_routes
+from kvforge.server.tools import ToolOptions
 
 logger = logging.getLogger("kvforge.server")
 
@@ -53,7 +56,7 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
                api_key: str | None = None, chat_template: str | None = None, hook: Any = None,
                trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
-               allow_runtime_lora_updating: bool = False) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None) -> FastAPI:
     """Build the app around started-or-not engines; the app's lifespan starts and stops them.
 
     One model: ``create_app(engine, ["name", "alias"])``. Several: ``create_app([(engine_a, ["a"]),
@@ -61,6 +64,7 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
     the first name. ``chat_template`` applies to every engine. A name given twice is a ``ValueError``.
     ``lora_modules``: LoRA adapters registered and served once the engines start (docs/lora.md);
     ``allow_runtime_lora_updating``: answer ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    ``tool_options``: the tool-call and reasoning parsers (docs/tools.md), for every engine.
     """
     if served_names is not None:
         pairs = [(engines, served_names)]
@@ -77,7 +81,7 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
         for name in names:
             models.check_new(name)  # before the metrics take names[0] as a label
         serving = OpenAIServing(engine, metrics.add_model(engine.get_stats, names[0]), chat_template,
-                                trust_request_chat_template)
+                                trust_request_chat_template, tool_options or ToolOptions())
         src = engine.model_source
         for name in names:
             models.add(ServedModel(name, serving, src.path or src.name))
@@ -118,6 +122,7 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
     app.state.models, app.state.metrics = models, metrics
     adapters = app.state.lora_adapters = LoRAAdapters(models)
     add_lora_routes(app, adapters, allow_runtime_lora_updating)
+    add_responses_routes(app, models, ResponseStore())
     app.add_exception_handler(APIError, handle_api_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(HTTPException, handle_http_error)

@@ -60,6 +60,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         "\"path\": ..., \"base_model_name\": ...} (needs --enable-lora; docs/lora.md)")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they are 404)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='answer tool_choice "auto" (the default with tools) by parsing calls out of the output '
+                        "with --tool-call-parser (off: such requests are a 400; docs/tools.md)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how tool calls are read out of a model's text: hermes, llama3_json, mistral, pythonic, "
+                        "or a plugin's (kvforge plugins)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split reasoning out of the output into reasoning_content: deepseek_r1, qwen3, or a "
+                        "plugin's")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.set_defaults(func=cmd_serve)
@@ -188,11 +197,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvforge.plugin_manager import get_plugin_manager
     from kvforge.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from kvforge.server.tools import ToolOptions
 
     configs = served_model_configs(args)
     if (args.lora_modules or args.allow_runtime_lora_updating) and not any(c.enable_lora for c, _ in configs):
         raise ValueError("--lora-modules / --allow-runtime-lora-updating: no served model runs with --enable-lora")
     api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
+    tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     chat_template = args.chat_template
     if chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
@@ -223,7 +234,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engines, api_key=api_key, chat_template=chat_template,
                      hook=get_plugin_manager().hook, trust_request_chat_template=args.trust_request_chat_template,
                      max_request_body_bytes=max_body, on_engine_dead=stop_serving, lora_modules=args.lora_modules,
-                     allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                     allow_runtime_lora_updating=args.allow_runtime_lora_updating, tool_options=tool_options)
     host, port = args.host, args.port
 
     class Server(uvicorn.Server):

@@ -7,6 +7,7 @@ limit, and tokenization runs in worker threads after a cheap length check (a tex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,10 +19,14 @@ from fastapi.responses import JSONResponse
 
 from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.errors import RequestFailedError
+from kvforge.input_checks import check_extra_args
+from kvforge.server.chat_output import ChoiceOutput
 from kvforge.server.disconnect import AbortingStreamingResponse
 from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
 from kvforge.server.metrics import ModelMetrics
-from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvforge.server.tools import ToolOptions, ToolPlan
+from kvforge.tool_parsing import get_reasoning_parser
 
 if TYPE_CHECKING:
     from kvforge.server.models import ServedModel
@@ -43,8 +48,9 @@ class OpenAIServing:
     ``ServedModel`` it got: its name goes in the response, its ``lora_request`` with the engine requests."""
 
     def __init__(self, engine: AsyncLLMEngine, metrics: ModelMetrics, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, tool_options: ToolOptions | None = None):
         self.engine = engine
+        self.tool_options = tool_options or ToolOptions()
         self.metrics = metrics
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
@@ -73,19 +79,26 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", "model")
         return tok
 
-    async def render_chat(self, messages: list, add_generation_prompt: bool, chat_template: str | None) -> str:
-        """The conversation as text, rendered off the event loop within ``RENDER_TIMEOUT_S``."""
+    async def render_chat(self, messages: list, add_generation_prompt: bool, chat_template: str | None,
+                          tools: list[dict] | None = None) -> str:
+        """A chat request's ``messages`` (``ChatMessage`` models) as text: :meth:`render_conversation`."""
+        return await self.render_conversation([m.template_dict() for m in messages], add_generation_prompt,
+                                              chat_template, tools)
+
+    async def render_conversation(self, conv: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                                  tools: list[dict] | None = None) -> str:
+        """A conversation (the chat template's message dicts) as text, rendered off the event loop within
+        ``RENDER_TIMEOUT_S``; ``tools``: the function tools, as the template's ``tools`` (OpenAI's
+        ``{"type": "function", "function": {...}}`` entries)."""
         tok = self.tokenizer()
         if chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template: request-supplied chat templates are refused; the server must run "
                                 "with --trust-request-chat-template to accept them", "chat_template")
-        conv = []
-        for m in messages:
-            conv.append({"role": m.role, "content": m.text()} | ({"name": m.name} if m.name is not None else {}))
+        extra = {"tools": tools} if tools else {}
 
         def render() -> str:
             return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template or self.chat_template)
+                                           chat_template=chat_template or self.chat_template, **extra)
 
         loop = asyncio.get_running_loop()
         try:
@@ -208,19 +221,28 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         self.check_logprobs("top_logprobs", req.top_logprobs)
         self.check_common(req)
-        text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template)
+        plan = self.tool_plan(req)
+        text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
+                                      tools=plan.template_tools())
         ids = await self.encode(text, False, "messages")
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = self.max_tokens(len(ids), requested, "messages")
         params = self._params(req, max_tokens, top if req.logprobs else None)
         await self.check_constraint(req)
+        if plan.constrained:
+            params = dataclasses.replace(params, structured_outputs=plan.constraint())
+            await self.check_structured(params.structured_outputs, "tools")
+        self.check_xargs(params)
+        reasoning = self.tool_options.reasoning_parser
+        reasoning_cls = get_reasoning_parser(reasoning) if reasoning else None
+        outputs = [ChoiceOutput(plan, reasoning_cls, params.structured_outputs is not None) for _ in range(req.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         started = await self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority,
                                    served.lora_request)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.stream(self._chat_stream(started, rid, created, model, req.n, top, len(ids),
+            return self.stream(self._chat_stream(started, rid, created, model, outputs, top, len(ids),
                                                  include_usage, req.logprobs), started)
         finals: dict[int, dict] = {}
         n_gen = 0
@@ -234,19 +256,34 @@ class OpenAIServing:
                 n_gen += len(c.token_ids)
                 if req.logprobs and c.logprobs:
                     f["logprobs"] += [self._chat_logprob(c.token_ids[j], lp, top) for j, lp in enumerate(c.logprobs)]
-        choices = [{"index": i, "message": {"role": "assistant", "content": f["text"]},
-                    "logprobs": {"content": f["logprobs"]} if req.logprobs else None,
-                    "finish_reason": f["finish"]} for i, f in sorted(finals.items())]
+        choices = []
+        for i, f in sorted(finals.items()):
+            message = outputs[i].message(f["text"])
+            choices.append({"index": i, "message": message, "logprobs": {"content": f["logprobs"]} if req.logprobs
+                            else None, "finish_reason": outputs[i].finish_reason(f["finish"])})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage(len(ids), n_gen)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps)
         return JSONResponse(body)
 
-    async def _chat_stream(self, started, rid, created, model, n, top, prompt_len, include_usage,
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        choice = req.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.function.name
+        plan = ToolPlan.build([t.function for t in req.tools or []], choice, req.parallel_tool_calls,
+                              self.tool_options)
+        if plan.constrained:
+            _, field = req.structured()
+            if field is not None:
+                raise APIError(400, f"tool_choice: a {plan.mode} tool choice constrains the output itself; it cannot "
+                                    f"be combined with {field}", "tool_choice")
+        return plan
+
+    async def _chat_stream(self, started, rid, created, model, outputs, top, prompt_len, include_usage,
                            want_logprobs) -> AsyncIterator[str]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        for i in range(n):
+        for i in range(len(outputs)):
             yield sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]})
         n_gen = 0
@@ -254,11 +291,14 @@ class OpenAIServing:
             choices = []
             for c in out.outputs:
                 n_gen += len(c.token_ids)
-                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                output = outputs[c.index]
+                delta = output.delta(c.text, final=c.finish_reason is not None)
                 lp = None
                 if want_logprobs and c.logprobs:
                     lp = {"content": [self._chat_logprob(c.token_ids[j], x, top) for j, x in enumerate(c.logprobs)]}
-                choices.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason})
+                if delta or c.finish_reason or lp:
+                    choices.append({"index": c.index, "delta": delta, "logprobs": lp,
+                                    "finish_reason": output.finish_reason(c.finish_reason)})
             if choices:
                 yield sse(head | {"choices": choices})
         if include_usage:
@@ -285,12 +325,23 @@ class OpenAIServing:
             so, field = req.structured()
         except ValueError as exc:
             raise bad_request_from_value_error(exc) from None
-        if so is None:
-            return
+        if so is not None:
+            await self.check_structured(so, field)
+
+    async def check_structured(self, so: Any, field: str) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.check_structured_outputs, so)
         except ValueError as exc:
             raise APIError(400, f"{field}: {exc}", field) from None
+
+    def check_xargs(self, params: Any) -> None:
+        """``vllm_xargs``: every key taken by a logits processor the request enables, every value valid
+        for its options (``kvforge.input_checks.check_extra_args``): else a 400 naming the key."""
+        if params.extra_args:
+            try:
+                check_extra_args(params, field="vllm_xargs")
+            except ValueError as exc:
+                raise bad_request_from_value_error(exc) from None
 
     # -- completions ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest,
@@ -314,6 +365,7 @@ class OpenAIServing:
             lp = req.logprobs
             prompts.append({"prompt": text, "prompt_token_ids": ids})
             params.append(self._params(req, max_tokens, lp, lp if (req.echo and lp is not None) else None))
+            self.check_xargs(params[-1])
             texts.append(text)
         await self.check_constraint(req)
         rid = f"cmpl-{uuid.uuid4().hex}"

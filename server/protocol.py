@@ -6,26 +6,26 @@ lists to these models.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from kvforge.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from kvforge.server.tools import ChatTool, NamedToolChoice
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: a vllm_xargs value: vLLM's types (a string, a number, or a list of them), booleans too
+XArg = Union[StrictBool, StrictInt, float, StrictStr, list[Union[StrictBool, StrictInt, float, StrictStr]]]
 #: prompts one /v1/completions request may carry (each becomes an engine request)
 MAX_PROMPTS = 256
 
 #: OpenAI request fields kvforge does not implement: a 400 whenever one is set to anything but
 #: its neutral value (``None`` always; the value given here too).
 REFUSED: dict[str, tuple[str, Any]] = {
-    "tools": ("tool calling is not supported yet", []),
-    "tool_choice": ("tool calling is not supported yet", "none"),
-    "functions": ("function calling is not supported yet", []),
-    "function_call": ("function calling is not supported yet", "none"),
-    "parallel_tool_calls": ("tool calling is not supported yet", None),
-    "extra_args": ("per-request plugin arguments are not accepted over HTTP yet", {}),
-    "vllm_xargs": ("per-request plugin arguments are not accepted over HTTP yet", {}),
+    "functions": ("the deprecated functions API is not supported: use tools", []),
+    "function_call": ("the deprecated functions API is not supported: use tool_choice", "none"),
+    "extra_args": ("per-request plugin arguments go in vllm_xargs", {}),
     "audio": ("audio output is not supported", None),
     "modalities": ("only text output is supported", ["text"]),
     "prediction": ("predicted outputs are not supported", None),
@@ -105,14 +105,12 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     logits_processors: list[StrictStr] | None = None
+    # per-request arguments of logits-processor plugins (vLLM's name), SamplingParams.extra_args
+    vllm_xargs: dict[str, XArg] | None = None
     # the refused OpenAI fields (see REFUSED): declared so that each one's 400 names it
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     extra_args: Any = None
-    vllm_xargs: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -179,7 +177,8 @@ class _Sampling(_Body):
             n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else prompt_logprobs,
+            extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None)
 
 
 def refuse(name: str, value: Any) -> Any:
@@ -195,10 +194,43 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # passed to the chat template with the message
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (templates such as Qwen3's read it)
+    refusal: None = None  # OpenAI's assistant refusal: accepted as null (clients echo it), never set
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not {self.role!r} ones")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) and self.role != "assistant":
+                raise ValueError(f"{name} belongs to assistant messages, not {self.role!r} ones")
+        for call in self.tool_calls or []:
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise ValueError(f"tool_calls: the arguments of call {call.id!r} are not the JSON text of an object")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -207,9 +239,25 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_dict(self) -> dict:
+        """The message as the chat template gets it: calls with their arguments as objects (as vLLM
+        passes them: templates such as Llama 3.1's and Qwen's serialise them themselves)."""
+        msg = {"role": self.role, "content": self.text()} | ({"name": self.name} if self.name is not None else {})
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        return msg
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)  # the engine's max_logprobs bounds it

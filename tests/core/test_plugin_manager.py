@@ -224,7 +224,7 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     report = {p["name"]: p for p in json.loads(out.stdout)}
     assert report["dummy"]["version"] == "0.0.1"
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
-                                            "logits_processor": ["fault"], "drafter": ["dummy_repeat"],
+                                            "logits_processor": ["fault", "dummy_ban", "dummy_script"], "drafter": ["dummy_repeat"],
                                             "executor": ["dummy_counting"],
                                             "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM"],
                                             "tool_parser": ["dummy_xml"]}

@@ -94,3 +94,21 @@ def test_sampling_param_validation():
                                                            "structured_outputs")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
+
+
+def test_extra_args_are_checked_against_the_enabled_processors_options(dummy_plugin_installed, tiny_llm):
+    """A processor's request_options check its keys before the request is queued (a ValueError naming
+    extra_args.<key>); from Python a key no processor declares passes through; a valid one is applied."""
+    from kvforge.input_checks import check_extra_args
+
+    ban = dict(logits_processors=["dummy_ban"], max_tokens=1, temperature=0.0)
+    with pytest.raises(ValueError, match=r"extra_args\.ban_token_id: ban_token_id must be a token id"):
+        tiny_llm.generate(["hello"], SamplingParams(extra_args={"ban_token_id": -1}, **ban), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"extra_args\.ban_reason: ban_reason must be a string"):
+        tiny_llm.generate(["hello"], SamplingParams(extra_args={"ban_reason": 3}, **ban), use_tqdm=False)
+    free = SamplingParams(extra_args={"for_another_plugin": 1}, **ban)
+    greedy = tiny_llm.generate(["hello"], free, use_tqdm=False)[0].outputs[0].token_ids[0]
+    with pytest.raises(ValueError, match=r"vllm_xargs\.for_another_plugin: no logits processor"):
+        check_extra_args(free, field="vllm_xargs")  # the server's strict check
+    banned = SamplingParams(extra_args={"ban_token_id": greedy}, **ban)
+    assert tiny_llm.generate(["hello"], banned, use_tqdm=False)[0].outputs[0].token_ids[0] != greedy

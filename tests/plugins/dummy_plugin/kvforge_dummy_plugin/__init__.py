@@ -16,6 +16,8 @@ def register_schedulers(register):
 @kvforge.hookimpl
 def register_logits_processors(register):
     register("fault", "kvforge_dummy_plugin.components:FaultInjector")
+    register("dummy_ban", "kvforge_dummy_plugin.components:TokenBan")
+    register("dummy_script", "kvforge_dummy_plugin.components:Script")
 
 
 @kvforge.hookimpl

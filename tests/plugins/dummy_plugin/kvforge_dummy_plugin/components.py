@@ -60,6 +60,61 @@ class FaultInjector(LogitsProcessor):
 
 
 @dataclass
+class BanOptions:
+    ban_token_id: int | None = None  # the token this request never samples
+    ban_reason: str = ""  # free text, for tests of a second key
+
+    def __post_init__(self):
+        if self.ban_token_id is not None and (not isinstance(self.ban_token_id, int) or isinstance(self.ban_token_id, bool)
+                                              or self.ban_token_id < 0):
+            raise ValueError(f"ban_token_id must be a token id (an integer >= 0), got {self.ban_token_id!r}")
+        if not isinstance(self.ban_reason, str):
+            raise ValueError(f"ban_reason must be a string, got {self.ban_reason!r}")
+
+
+class TokenBan(LogitsProcessor):
+    """Bans one token per request, named by the request's ``extra_args`` (``vllm_xargs`` over HTTP)."""
+
+    name = "dummy_ban"
+    request_options = BanOptions
+
+    def apply(self, logits, requests):
+        for row, r in enumerate(requests):
+            token = self.options_of(r).ban_token_id
+            if token is not None and token < logits.shape[1]:
+                logits[row, token] = float("-inf")
+        return logits
+
+
+@dataclass
+class ScriptOptions:
+    script_token_ids: list | None = None  # the output, token by token (then the model goes on)
+
+    def __post_init__(self):
+        ids = self.script_token_ids
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids)):
+            raise ValueError(f"script_token_ids must be a list of token ids, got {ids!r}")
+
+
+class Script(LogitsProcessor):
+    """Makes a request's output the tokens its ``extra_args`` script: a test-only way to get a fixed model text
+    (tool calls, reasoning) out of any model through the real serving path."""
+
+    name = "dummy_script"
+    request_options = ScriptOptions
+
+    def apply(self, logits, requests):
+        for row, r in enumerate(requests):
+            script = self.options_of(r).script_token_ids or []
+            n = len(r.output_token_ids)
+            if n < len(script):
+                token = script[n]
+                logits[row] = float("-inf")
+                logits[row, token] = 0.0
+        return logits
+
+
+@dataclass
 class RepeatOptions:
     times: int = 8  # the most drafts per request
 

@@ -1,0 +1,337 @@
+"""The request body of ``POST /v1/responses`` (OpenAI's Responses API), and its input items as the chat
+template's messages.
+
+As with chat (``server/protocol.py``), every field is honoured or refused: an unknown field is a 400
+naming it, and the Responses fields kvforge cannot honour (``RESPONSES_REFUSED``) are a 400 saying why.
+docs/responses.md lists both, and a test holds the lists to this model.
+
+Input items are the ones a client sends back to continue a conversation: messages (``type`` optional),
+the model's ``function_call`` items and their ``function_call_output`` results, and ``reasoning`` items
+(accepted so that a response's ``output`` can be sent back as it is; their text is not rendered, as chat
+templates drop earlier turns' reasoning).
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictStr,
+    Tag,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
+
+from kvforge.server.tools import FunctionDef
+
+#: Responses fields kvforge does not implement: a 400 whenever one is set to anything but its neutral
+#: value (``None`` always; the value given here too).
+RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
+    "background": ("background responses are not supported: kvforge answers while the request is open", False),
+    "background_options": ("background responses are not supported", None),
+    "conversation": ("conversation objects are not supported: chain responses with previous_response_id", None),
+    "context_management": ("server-side context compaction is not supported", []),
+    "include": ("kvforge has no extra output data to include (no logprobs, no encrypted reasoning)", []),
+    "max_tool_calls": ("kvforge runs no built-in tools, so it counts no tool calls", None),
+    "prompt": ("stored prompt templates are not supported: send input and instructions", None),
+    "prompt_cache_key": ("kvforge's prefix cache is keyed by the prompt itself (--enable-prefix-caching)", None),
+    "prompt_cache_retention": ("kvforge's prefix cache has no retention setting", None),
+    "prompt_cache_options": ("kvforge's prefix cache has no options per request", None),
+    "service_tier": ("kvforge has one service tier", None),
+    "top_logprobs": ("log probabilities are not returned by the Responses API yet: use /v1/chat/completions", 0),
+    "truncation": ("kvforge never drops input to fit the context: a too-long input is a 400", "disabled"),
+    "moderation": ("moderation is not supported", None),
+    "image": ("image output is not supported", None),
+    "access_programs": ("access programs are OpenAI's", None),
+}
+#: metadata bounds (OpenAI's)
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+class _Body(BaseModel):
+    # NOTE: unknown fields are refused (a 400 naming them), never silently dropped.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# -- input items ------------------------------------------------------------------------------------
+class InputText(_Body):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Body):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] = []  # echoed back by clients; kvforge writes none
+    logprobs: list[Any] | None = None
+
+
+class Refusal(_Body):
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[Union[InputText, OutputText, Refusal], Field(discriminator="type")]
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+class Message(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ContentPart] | str  # the list first: its errors are the ones reported
+    id: str | None = None  # an output message sent back
+    status: Status | None = None
+    phase: Literal["commentary", "final_answer"] | None = None  # accepted as clients echo it; not rendered
+
+    @model_validator(mode="after")
+    def _parts_fit_the_role(self):
+        kinds = {p.type for p in self.content} if isinstance(self.content, list) else set()
+        if self.role != "assistant" and kinds - {"input_text"}:
+            raise ValueError(f"a {self.role} message takes input_text parts, got {sorted(kinds - {'input_text'})}")
+        if self.role == "assistant" and "input_text" in kinds:
+            raise ValueError("an assistant message takes output_text (or refusal) parts, not input_text")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text of an object
+    id: str | None = None
+    status: Status | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, v):
+        try:
+            args = json.loads(v)
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise ValueError("arguments must be the JSON text of an object")
+        return v
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: list[InputText] | str
+    id: str | None = None
+    status: Status | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningItem(_Body):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: None = None  # kvforge never writes one, so none can come back
+    status: Status | None = None
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def _item_type(v: Any) -> str | None:
+    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
+    return kind if kind in _ITEM_TYPES else None
+
+
+InputItem = Annotated[
+    Union[Annotated[Message, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")]],
+    Discriminator(_item_type, custom_error_type="item_type", custom_error_message=(
+        "an input item must be a message, function_call, function_call_output or reasoning item "
+        "(kvforge runs no built-in tools, so no other item can come back)")),
+]
+ITEM = TypeAdapter(InputItem)
+
+
+def conversation(items: list[Any], instructions: str | None) -> list[dict]:
+    """The items as chat-template messages: ``instructions`` first (a system message), calls as an
+    assistant message's ``tool_calls`` (arguments as objects, as vLLM passes them), merged into the
+    assistant message just before them, and outputs as ``tool`` messages."""
+    conv: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        if isinstance(item, Message):
+            conv.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": json.loads(item.arguments)}}
+            last = conv[-1] if conv else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:  # NOTE: content "" not None: templates such as SmolLM2's read every message's content
+                conv.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            conv.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return conv
+
+
+# -- tools and text formats -------------------------------------------------------------------------
+class FunctionTool(FunctionDef):
+    """A Responses function tool: chat's function definition, flat, with its ``type``."""
+
+    type: Literal["function"]
+
+    def echo(self) -> dict:
+        """The tool as the response echoes it (OpenAI's ``FunctionTool``)."""
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": self.parameters, "strict": self.strict}
+
+
+class FunctionChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormatText(_Body):
+    type: Literal["text"]
+
+
+class TextFormatJSONObject(_Body):
+    type: Literal["json_object"]
+
+
+class TextFormatJSONSchema(_Body):
+    type: Literal["json_schema"]
+    name: str
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+TextFormat = Annotated[Union[TextFormatText, TextFormatJSONObject, TextFormatJSONSchema], Field(discriminator="type")]
+
+
+class TextConfig(_Body):
+    format: TextFormat = TextFormatText(type="text")
+    verbosity: Any = None
+
+    @field_validator("verbosity", mode="before")
+    @classmethod
+    def _refuse_verbosity(cls, v):
+        if v is not None:
+            raise ValueError("verbosity controls are not supported; leave text.verbosity out of the request")
+        return v
+
+
+class StreamOptions(_Body):
+    include_obfuscation: bool = True  # accepted: kvforge pads no event, whatever it says
+
+
+# -- the request --------------------------------------------------------------------------------------
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: list[InputItem] | str  # the list first: its errors are the ones reported
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    user: str | None = None  # written in the server's log line, as with chat
+    safety_identifier: str | None = None  # OpenAI's successor of user: logged the same way
+    reasoning: dict[str, Any] | None = None  # accepted only without settings (all values null)
+    # the refused Responses fields (see RESPONSES_REFUSED): declared so that each one's 400 names it
+    background: Any = None
+    background_options: Any = None
+    conversation: Any = None
+    context_management: Any = None
+    include: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    service_tier: Any = None
+    top_logprobs: Any = None
+    truncation: Any = None
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
+
+    @field_validator(*RESPONSES_REFUSED, mode="before")
+    @classmethod
+    def _refuse(cls, v, info):
+        reason, neutral = RESPONSES_REFUSED[info.field_name]
+        if v is None or v == neutral:
+            return None
+        raise ValueError(f"{reason}; leave {info.field_name} out of the request")
+
+    @field_validator("reasoning", mode="before")
+    @classmethod
+    def _reasoning(cls, v):
+        if isinstance(v, dict) and any(x is not None for x in v.values()):
+            raise ValueError(f"reasoning controls ({', '.join(k for k, x in v.items() if x is not None)}) are not "
+                             "supported: a model reasons as its chat template makes it, and the server's "
+                             "--reasoning-parser splits the reasoning out; leave reasoning out of the request")
+        return v
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, v):
+        for i, tool in enumerate(v or []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tools[{i}] is a {kind!r} tool: kvforge runs no built-in tools (web search, "
+                                 "file search, code interpreter, MCP...); only function tools are supported")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_kinds(cls, v):
+        if isinstance(v, dict) and v.get("type") != "function":
+            raise ValueError(f"a {v.get('type')!r} tool choice is not supported: give none, auto, required or "
+                             '{"type": "function", "name": ...}')
+        return v
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be an empty list")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(v)}")
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"key {key[:80]!r}: keys may have {MAX_METADATA_KEY_CHARS} characters and values "
+                                 f"{MAX_METADATA_VALUE_CHARS}, got {len(key)} and {len(value)}")
+        return v
+
+    def items(self) -> list[Any]:
+        """``input`` as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [Message(role="user", content=self.input)]
+        return list(self.input)
+
+    def text_format(self) -> TextFormat:
+        return self.text.format if self.text is not None else TextFormatText(type="text")
