@@ -230,7 +230,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         check_request(ids, params, config=self.config, vocab_size=self.model_config.vocab_size,
                       max_model_len=self.max_model_len, tokenizer=self.tokenizer,
-                      logits_processors=self.plugin_manager.names("logits_processor"))
+                      logits_processors=self.plugin_manager.names("logits_processor"),
+                      plugin_manager=self.plugin_manager)
         lora_request = check_lora_request(self.config, lora_request)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         room = self.max_model_len - len(ids)

@@ -34,7 +34,8 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[int] | dict) -> tuple[str
 
 
 def check_request(ids: list[int], params: SamplingParams, *, config: EngineConfig, vocab_size: int,
-                  max_model_len: int, tokenizer: Any, logits_processors: Iterable[str]) -> None:
+                  max_model_len: int, tokenizer: Any, logits_processors: Iterable[str],
+                  plugin_manager: Any = None) -> None:
     """The prompt's ids and the sampling parameters, against the model and the engine's limits."""
     if not ids:
         raise ValueError("prompt: must not be empty")
@@ -57,7 +58,7 @@ def check_request(ids: list[int], params: SamplingParams, *, config: EngineConfi
             raise ValueError(f"logits_processors: unknown logits processor {name!r}; valid names: "
                              f"{', '.join(registered) or '(none)'}")
     if params.extra_args:
-        check_extra_args(params, field="extra_args", strict=False)
+        check_extra_args(params, field="extra_args", strict=False, plugin_manager=plugin_manager)
     if (params.bad_words or params.structured_outputs) and tokenizer is None:
         field = "bad_words" if params.bad_words else "structured_outputs"
         raise ValueError(f"{field}: needs a tokenizer, and this model has none")
@@ -67,11 +68,12 @@ def check_request(ids: list[int], params: SamplingParams, *, config: EngineConfi
                          f"(max_n={config.max_n}, max_num_seqs={config.max_num_seqs})")
 
 
-def check_extra_args(params: SamplingParams, *, field: str, strict: bool = True) -> None:
+def check_extra_args(params: SamplingParams, *, field: str, strict: bool = True, plugin_manager: Any = None) -> None:
     """``params.extra_args`` against the ``request_options`` of the logits processors the request enables
     (``kvforge.sampler.LogitsProcessor``): each key a processor's options declare is checked on its own,
     then the processor's keys together; a bad value is a ``ValueError`` naming ``field.key``. With
-    ``strict`` (over HTTP: no field is silently ignored), a key no enabled processor declares is one too."""
+    ``strict`` (over HTTP: no field is silently ignored), a key no enabled processor declares is one too.
+    ``plugin_manager``: the engine's (default: the process's)."""
     import dataclasses
 
     from kvforge.plugin_manager import get_plugin_manager
@@ -79,7 +81,7 @@ def check_extra_args(params: SamplingParams, *, field: str, strict: bool = True)
     args = params.extra_args or {}
     if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
         raise ValueError(f"{field}: must be a dict with string keys")
-    pm = get_plugin_manager()
+    pm = plugin_manager or get_plugin_manager()
     claimed: set[str] = set()
     for name in params.logits_processors or []:
         options = getattr(pm.get("logits_processor", name), "request_options", None)
