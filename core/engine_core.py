@@ -23,6 +23,7 @@ from kvforge.async_engine import AsyncLLMEngine
 from kvforge.config import EngineConfig
 from kvforge.engine import LLMEngine
 from kvforge.engine_process import ACCEPTED
+from kvforge.log_format import configure_logging, inherited_format
 
 logger = logging.getLogger("kvforge.engine_core")
 
@@ -125,8 +126,7 @@ class EngineCore(AsyncLLMEngine):
 def main(argv: list[str]) -> int:
     # a Ctrl-C reaches the whole process group: the front end drains, then sends "stop"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("KVFORGE_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(os.environ.get("KVFORGE_LOG_LEVEL", "INFO"), inherited_format())  # the server's format
     conn = multiprocessing.connection.Client(argv[0], family="AF_UNIX",
                                              authkey=bytes.fromhex(os.environ["KVFORGE_CORE_AUTHKEY"]))
     config = conn.recv()

@@ -4,10 +4,16 @@ One engine per served model; a request's ``model`` picks it through the app's ``
 (``server/models.py``). If an engine dies, every in-flight request on it has already got its error;
 ``/health`` answers 503 for ``DEAD_LINGER_S`` (so probes see it), then ``on_engine_dead`` is called
 (``kvforge serve`` stops uvicorn, which drains and exits non-zero so that an orchestrator restarts it).
+
+``/health`` is liveness (200 while the engines run, draining included); ``/ready`` is readiness (200
+once the lifespan has started every engine, until the drain: ``server/readiness.py``). The middleware,
+outermost first: request ids and the request line (around Starlette's error middleware too), CORS
+(only with ``cors``), admission (503 while starting or draining), body limits, the API key.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Sequence
@@ -16,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import kvforge
 from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
@@ -36,6 +43,8 @@ from kvforge.server.metrics import ServerMetrics
 from kvforge.server.models import ServedModel, ServedModels
 from kvforge.server.openai_api import OpenAIServing
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvforge.server.readiness import Admission, Readiness
+from kvforge.server.request_id import REQUEST_ID_HEADER, RequestContext
 from kvforge.server.response_store import ResponseStore
 from kvforge.server.responses_api import add_responses_routes
 from kvforge.server.tools import ToolOptions
@@ -52,11 +61,30 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 EngineNames = tuple[AsyncLLMEngine, list[str]]
 
 
+@dataclasses.dataclass(frozen=True)
+class CorsOptions:
+    """Cross-origin requests from browsers (Starlette's ``CORSMiddleware``); ``"*"`` allows any."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+class _App(FastAPI):
+    """FastAPI with :class:`RequestContext` around the whole stack, Starlette's error middleware (which
+    answers 500s) included: every answer carries the request id, every request is logged."""
+
+    def build_middleware_stack(self) -> Any:
+        return RequestContext(super().build_middleware_stack())
+
+
 def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: list[str] | None = None, *,
                api_key: str | None = None, chat_template: str | None = None, hook: Any = None,
                trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
-               allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None,
+               cors: CorsOptions | None = None) -> FastAPI:
     """Build the app around started-or-not engines; the app's lifespan starts and stops them.
 
     One model: ``create_app(engine, ["name", "alias"])``. Several: ``create_app([(engine_a, ["a"]),
@@ -65,6 +93,8 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
     ``lora_modules``: LoRA adapters registered and served once the engines start (docs/lora.md);
     ``allow_runtime_lora_updating``: answer ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
     ``tool_options``: the tool-call and reasoning parsers (docs/tools.md), for every engine.
+    ``cors``: answer browsers' cross-origin requests (None: no CORS headers at all).
+    The app's ``state.readiness`` is the :class:`Readiness` that ``/ready`` reports and a drain uses.
     """
     if served_names is not None:
         pairs = [(engines, served_names)]
@@ -112,14 +142,16 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
                     await adapters.load(m.name, m.path, m.base_model_name)
                 except APIError as exc:
                     raise ValueError(f"--lora-modules {m.name}={m.path}: {exc.message}") from None
+            readiness.set_ready()
             yield
             watcher.cancel()
         finally:  # NOTE: also when a later engine fails to start: no engine is left running
             for engine in started:
                 engine.shutdown()
 
-    app = FastAPI(title="kvforge", version=kvforge.__version__, lifespan=lifespan)
+    app = _App(title="kvforge", version=kvforge.__version__, lifespan=lifespan)
     app.state.models, app.state.metrics = models, metrics
+    readiness = app.state.readiness = Readiness()
     adapters = app.state.lora_adapters = LoRAAdapters(models)
     add_lora_routes(app, adapters, allow_runtime_lora_updating)
     add_responses_routes(app, models, ResponseStore())
@@ -165,6 +197,16 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
             return error_response(503, f"engine is not running: {'; '.join(down)}", type="service_unavailable")
         return Response(status_code=200)
 
+    @app.get("/ready")
+    async def ready():
+        reason = readiness.not_ready_reason()
+        down = [f"{first_name[id(e)]}: {e.error!r}" for e in all_engines if not e.is_running]
+        if reason is None and down:
+            reason = f"engine is not running: {'; '.join(down)}"
+        if reason is not None:
+            return error_response(503, reason, type="service_unavailable")
+        return Response(status_code=200)
+
     @app.get("/version")
     async def version():
         return {"version": kvforge.__version__}
@@ -200,6 +242,11 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
         hook.server_app_created(app=app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
-    # outermost: a body is vetted before auth, routing and validation spend anything on it
+    # a body is vetted before auth, routing and validation spend anything on it
     app.add_middleware(BodyLimits, max_body_bytes=max_request_body_bytes)
+    app.add_middleware(Admission, readiness=readiness)  # 503 while starting or draining, before the body is read
+    if cors is not None:  # outside admission and auth: preflights carry no key, and 503s need CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials, expose_headers=[REQUEST_ID_HEADER.decode()])
     return app

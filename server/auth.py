@@ -4,6 +4,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+from kvforge.server.asgi import header, route_path
 from kvforge.server.errors import error_response
 
 #: paths that cost compute, and so need the API key when one is set (/health, /version, /metrics stay open)
@@ -11,17 +12,18 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class ApiKeyAuth:
-    """ASGI middleware: requests to ``PROTECTED_PREFIXES`` need ``Authorization: Bearer <api_key>``
-    (401 otherwise). Plain ASGI, not ``@app.middleware``: Starlette's ``BaseHTTPMiddleware`` pipes every
-    streamed chunk through an extra memory stream and task, a large part of a token's serving cost."""
+    """ASGI middleware: requests to ``PROTECTED_PREFIXES`` (under ``--root-path`` too) need
+    ``Authorization: Bearer <api_key>`` (401 otherwise). Plain ASGI, not ``@app.middleware``: Starlette's
+    ``BaseHTTPMiddleware`` pipes every streamed chunk through an extra memory stream and task, a large
+    part of a token's serving cost."""
 
     def __init__(self, app: Any, api_key: str):
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            given = header[7:] if header[:7].lower() == b"bearer " else b""
+        if scope["type"] == "http" and route_path(scope).startswith(PROTECTED_PREFIXES):
+            value = header(scope, b"authorization") or b""
+            given = value[7:] if value[:7].lower() == b"bearer " else b""
             # constant-time comparison, so the key cannot be found byte by byte from timings
             if not hmac.compare_digest(given, self.key):
                 response = error_response(401, "Incorrect API key provided.", None, code="invalid_api_key")

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from kvforge.server.errors import error_body
+from kvforge.server.asgi import send_error
 
 #: deepest JSON nesting accepted (a chat request is ~5 deep; a JSON schema rarely 20)
 MAX_JSON_DEPTH = 64
@@ -128,8 +128,4 @@ class BodyLimits:
 
 
 async def _reply(send: Any, status: int, message: str, param: str | None = None) -> None:
-    payload = json.dumps(error_body(status, message, param,
-                                    code="request_too_large" if status == 413 else None)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
+    await send_error(send, status, message, param=param, code="request_too_large" if status == 413 else None)

@@ -25,6 +25,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvforge.log_format import LOG_FORMATS
+
 if TYPE_CHECKING:
     from kvforge.config import EngineConfig
 
@@ -69,9 +71,78 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split reasoning out of the output into reasoning_content: deepseek_r1, qwen3, or a "
                         "plugin's")
-    p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM")
+    add_operations_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_operations_args(p: argparse.ArgumentParser) -> None:
+    """Flags for running the server behind proxies and orchestrators (docs/server.md)."""
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds running requests get to finish (new ones get 503) before the "
+                        "rest are aborted and the server exits (30)")
+    p.add_argument("--shutdown-grace", dest="shutdown_timeout", type=float, action=_DeprecatedAlias,
+                   new_name="--shutdown-timeout", metavar="SECONDS", help="deprecated: use --shutdown-timeout")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text, or json: one JSON object per line (time, level, logger, message, request_id)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log a line per request (method, path, status, duration, request id)")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a proxy serves this server under and strips (e.g. /api)")
+    p.add_argument("--allowed-origins", type=_string_list, default=None, metavar="JSON",
+                   help='answer CORS requests from these origins, a JSON list (["https://a.example"], ["*"]); '
+                        "default: no CORS headers at all")
+    p.add_argument("--allowed-methods", type=_string_list, default=None, metavar="JSON",
+                   help='methods cross-origin requests may use (with --allowed-origins; default ["*"])')
+    p.add_argument("--allowed-headers", type=_string_list, default=None, metavar="JSON",
+                   help='headers cross-origin requests may send (with --allowed-origins; default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="let cross-origin requests send credentials (cookies, Authorization) (with --allowed-origins)")
+
+
+class _DeprecatedAlias(argparse.Action):
+    """A flag kept under an old name: stores into the new flag's ``dest`` and notes it, so that
+    ``serve`` warns once logging is set up."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_name: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_name = new_name
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        used = getattr(namespace, "deprecated_flags", ())
+        namespace.deprecated_flags = (*used, (option_string, self.new_name))
+
+
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form), or for convenience one value or a comma-separated list."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of non-empty strings, got {text!r}")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _cors_options(args: argparse.Namespace) -> Any:
+    from kvforge.server.app import CorsOptions
+
+    if args.allowed_origins is None:
+        for flag, value in (("--allowed-methods", args.allowed_methods), ("--allowed-headers", args.allowed_headers),
+                            ("--allow-credentials", args.allow_credentials or None)):
+            if value is not None:
+                raise ValueError(f"{flag}: has no effect without --allowed-origins (CORS is off)")
+        return None
+    return CorsOptions(tuple(args.allowed_origins), tuple(args.allowed_methods or ["*"]),
+                       tuple(args.allowed_headers or ["*"]), args.allow_credentials)
+
+
+def _root_path(path: str) -> str:
+    if path and not path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {path!r}")
+    return path.rstrip("/")
 
 
 def _lora_module(text: str):
@@ -193,12 +264,21 @@ def build_engine(config: EngineConfig, data_parallel_size: int, in_process: bool
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from kvforge.log_format import configure_logging
     from kvforge.plugin_manager import get_plugin_manager
-    from kvforge.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from kvforge.server.app import DEFAULT_MAX_BODY_BYTES
+    from kvforge.server.http_server import StartingResponder, bind_sockets, urls
+    from kvforge.server.request_id import RequestIdFilter, request_logger
     from kvforge.server.tools import ToolOptions
 
+    configure_logging(logging.getLogger().level, args.log_format).addFilter(RequestIdFilter())
+    if args.disable_log_requests:
+        request_logger.setLevel(logging.WARNING)
+    for old, new in getattr(args, "deprecated_flags", ()):
+        logger.warning("%s is deprecated and will be removed: use %s", old, new)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    cors, root_path = _cors_options(args), _root_path(args.root_path)
     configs = served_model_configs(args)
     if (args.lora_modules or args.allow_runtime_lora_updating) and not any(c.enable_lora for c, _ in configs):
         raise ValueError("--lora-modules / --allow-runtime-lora-updating: no served model runs with --enable-lora")
@@ -216,6 +296,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_body}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    # NOTE: bound before any model loads: a busy port fails now, and until the engines are ready every
+    # request gets 503 "starting" (StartingResponder) instead of a refused connection
+    sockets = bind_sockets(args.host, args.port)
+    responder = StartingResponder(sockets)
+    responder.start()
+    logger.info("kvforge serve: listening on %s; requests get 503 until the engines are ready",
+                ", ".join(urls(sockets)))
+    app_options = dict(api_key=api_key, chat_template=chat_template, hook=get_plugin_manager().hook,
+                       trust_request_chat_template=args.trust_request_chat_template, max_request_body_bytes=max_body,
+                       lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                       tool_options=tool_options, cors=cors)
+    try:
+        return _serve(args, configs, app_options, root_path, sockets, responder)
+    finally:
+        responder.stop()
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, configs: list, app_options: dict[str, Any], root_path: str,
+           sockets: list, responder: Any) -> int:
+    """Build the engines (on this thread, while ``responder`` answers "starting" on ``sockets``), then
+    serve on the same sockets until a shutdown; the exit status."""
+    import uvicorn
+
+    from kvforge.server.app import create_app
+    from kvforge.server.http_server import CLOSE_GRACE_S, Server
+
     engines: list[tuple[Any, list[str]]] = []
     try:
         for config, names in configs:
@@ -225,35 +333,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine.shutdown()
         raise
     served = [name for _, names in engines for name in names]
-    server: uvicorn.Server | None = None
+    server: Any = None
 
-    def stop_serving() -> None:  # the engine died: drain and exit non-zero
+    def stop_serving() -> None:  # the engine died: stop (uvicorn closes the connections) and exit non-zero
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engines, api_key=api_key, chat_template=chat_template,
-                     hook=get_plugin_manager().hook, trust_request_chat_template=args.trust_request_chat_template,
-                     max_request_body_bytes=max_body, on_engine_dead=stop_serving, lora_modules=args.lora_modules,
-                     allow_runtime_lora_updating=args.allow_runtime_lora_updating, tool_options=tool_options)
-    host, port = args.host, args.port
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                for s in self.servers:
-                    for sock in s.sockets:
-                        h, p = sock.getsockname()[:2]
-                        h = f"[{h}]" if ":" in h else h
-                        logger.info("kvforge ready: serving %s on http://%s:%d", ", ".join(served), h, p)
-
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                   timeout_graceful_shutdown=args.shutdown_grace))
-    # uvicorn handles SIGTERM while serving (stop accepting, let running requests finish within the
-    # grace period) and then re-raises it under the handler that was there before: make that one a
-    # no-op, so a graceful shutdown exits 0 instead of dying by the signal.
+    app = create_app(engines, on_engine_dead=stop_serving, **app_options)
+    readiness = app.state.readiness
+    readiness.on_ready.append(responder.stop)  # uvicorn takes the sockets over right after
+    config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, root_path=root_path,
+                            timeout_graceful_shutdown=CLOSE_GRACE_S)
+    server = Server(config, readiness, args.shutdown_timeout, served)
+    # Server drains on SIGTERM; a third signal goes to uvicorn, which re-raises it once it has stopped,
+    # under the handler that was there before: make that one a no-op, so that even a forced shutdown
+    # exits (0) instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
+    server.run(sockets=sockets)
     return 0 if all(engine.error is None for engine, _ in engines) else 1
 
 

@@ -24,6 +24,9 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the request itself is cancelled (the drain's timeout): so is its work
+        task.cancel()
+        raise
     finally:
         watch.cancel()
     if task.done():

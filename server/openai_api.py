@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,13 +24,13 @@ from kvforge.server.disconnect import AbortingStreamingResponse
 from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
 from kvforge.server.metrics import ModelMetrics
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvforge.server.request_id import current_request
 from kvforge.server.tools import ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
 
 if TYPE_CHECKING:
     from kvforge.server.models import ServedModel
 
-logger = logging.getLogger("kvforge.server")
 
 #: seconds a chat template may take to render before the request is refused
 RENDER_TIMEOUT_S = 10.0
@@ -135,9 +134,17 @@ class OpenAIServing:
     # -- streams ----------------------------------------------------------------------------------
     async def start(self, prompts: list[dict], params: list, request_id: str, priority: int,
                     lora_request: Any = None) -> list[tuple[str, Any]]:
-        """Queue one engine request per prompt; on a bad one (or a disconnect), abort those already queued."""
+        """Queue one engine request per prompt; on a bad one (or a disconnect), abort those already queued.
+
+        ``request_id``: the answer's id (``chatcmpl-<hex>``); the engine requests' ids start with the HTTP
+        request's id (``<X-Request-Id>:chatcmpl-<hex>``), so that the engine's log lines name it too.
+        """
         # NOTE: the keyword only when set: an engine without LoRA support takes no such argument
         lora = {"lora_request": lora_request} if lora_request is not None else {}
+        http = current_request()
+        if http is not None:
+            http.response_id = request_id  # for the request line
+            request_id = f"{http.request_id}:{request_id}"
         started = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -211,8 +218,9 @@ class OpenAIServing:
         self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(400, "prompt_logprobs: not available with stream=true", "prompt_logprobs")
-        if req.user is not None:
-            logger.info("request from user %r", req.user)
+        http = current_request()
+        if req.user is not None and http is not None:
+            http.user = req.user  # written in the request line
 
     async def chat(self, req: ChatCompletionRequest, served: ServedModel) -> JSONResponse | AbortingStreamingResponse:
         model = served.name

@@ -14,6 +14,7 @@ import traceback
 
 import torch
 
+from kvforge.log_format import configure_logging, inherited_format
 from kvforge.worker import Worker, WorkerSpec
 
 logger = logging.getLogger("kvforge.rank")
@@ -21,7 +22,7 @@ logger = logging.getLogger("kvforge.rank")
 
 def main(argv: list[str]) -> int:
     host, port, rank = argv[0], int(argv[1]), int(argv[2])
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING, inherited_format(), prefix=f"[rank {rank}] ", fields={"rank": rank})
     conn = multiprocessing.connection.Client((host, port), authkey=bytes.fromhex(os.environ["KVFORGE_RANK_AUTHKEY"]))
     conn.send(rank)
     spec = conn.recv()

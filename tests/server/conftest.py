@@ -26,23 +26,32 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None, model: str = "dummy:tiny"):
+    """``kvforge serve MODEL --device cpu ... *args`` on a free port; ``wait=False`` returns at once
+    (call :meth:`wait_healthy`). ``log`` holds the tail of its output (stdout and stderr), read as it comes."""
+
+    def __init__(self, *args: str, env: dict | None = None, model: str = "dummy:tiny", wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvforge.cli", "serve", model, "--device", "cpu", "--port", str(self.port),
                "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "512", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
-        try:
-            wait_healthy(self.url, 120, alive=lambda: self.proc.poll() is None)
-        except RuntimeError:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}") from None
-            self.stop()
-            raise
         # read the server's output in a thread, or a full pipe would block its logging; the tail is kept for reports
         self.log: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
-        threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True).start()
+        self._reader = threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        try:
+            wait_healthy(self.url, timeout, alive=lambda: self.proc.poll() is None)
+        except RuntimeError:
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                raise RuntimeError("server exited early:\n" + "".join(self.log)) from None
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
