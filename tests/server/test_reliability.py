@@ -56,7 +56,8 @@ def idle(server, timeout=15.0):
     ({"bad_words": ["w"] * 1025}, "bad_words"),
     ({"allowed_token_ids": list(range(9000))}, "allowed_token_ids"),
     ({"priority": 2 ** 70}, "priority"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tools with the default choice (auto) on a server without --enable-auto-tool-choice (docs/tools.md)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"extra_args": {"a": 1}}, "extra_args"),

@@ -96,10 +96,14 @@ def test_sampling_param_validation():
             SamplingParams(**kw)
 
 
-def test_extra_args_are_checked_against_the_enabled_processors_options(dummy_plugin_installed, tiny_llm):
+def test_extra_args_are_checked_against_the_enabled_processors_options(dummy_plugin_installed):
     """A processor's request_options check its keys before the request is queued (a ValueError naming
     extra_args.<key>); from Python a key no processor declares passes through; a valid one is applied."""
+    from kvforge import LLM
     from kvforge.input_checks import check_extra_args
+
+    # an engine of its own: one built before the dummy plugin was installed does not know its processors
+    tiny_llm = LLM("dummy:tiny", max_model_len=512, num_gpu_blocks_override=64, device="cpu")
 
     ban = dict(logits_processors=["dummy_ban"], max_tokens=1, temperature=0.0)
     with pytest.raises(ValueError, match=r"extra_args\.ban_token_id: ban_token_id must be a token id"):
@@ -112,3 +116,4 @@ def test_extra_args_are_checked_against_the_enabled_processors_options(dummy_plu
         check_extra_args(free, field="vllm_xargs")  # the server's strict check
     banned = SamplingParams(extra_args={"ban_token_id": greedy}, **ban)
     assert tiny_llm.generate(["hello"], banned, use_tqdm=False)[0].outputs[0].token_ids[0] != greedy
+    tiny_llm.shutdown()
