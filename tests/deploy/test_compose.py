@@ -6,13 +6,14 @@ import json
 import re
 from pathlib import Path
 
-import crossplane
 import pytest
 import yaml
-from compose_spec import PyCompose
 
 from kvforge.server.app import DEFAULT_MAX_BODY_BYTES
 from kvforge.server.cli import add_serve_parser
+
+crossplane = pytest.importorskip("crossplane", reason="the test extra installs it")
+PyCompose = pytest.importorskip("compose_spec", reason="the test extra installs it").PyCompose
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROFILES = {"gpu": ("kvforge-0", "kvforge-1", "lb"), "cpu": ("kvforge-cpu-0", "kvforge-cpu-1", "lb-cpu")}

@@ -8,13 +8,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from kustomize import build, strategic_merge
 from kvforge.config import EngineConfig
 from kvforge.server.cli import add_serve_parser
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra installs it")
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"

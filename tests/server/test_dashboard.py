@@ -5,10 +5,11 @@ import re
 from pathlib import Path
 
 import httpx
-import promql_parser
 import pytest
 
 from conftest import API_KEY, ServerProcess
+
+promql_parser = pytest.importorskip("promql_parser", reason="the test extra installs it")
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvforge.json"
 #: Grafana's interval variables, replaced by a duration so the query parses as plain PromQL
