@@ -88,15 +88,33 @@ def run_in_triton_interpreter():
     return run
 
 
+#: the process's resident memory after the last full collection (MiB), and the growth that triggers the next
+_collected_at = [0]
+_COLLECT_GROWTH_MIB = 1024
+
+
+def _rss_mib() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.fixture(autouse=True)
 def collect_engines_after_slow_tests():
     """Engines hold reference cycles (threads, callbacks), so one a test drops lives on until a full
-    collection, with its KV pool: over the suite that grew the process past 20 GB (CI has 24). A test
-    that ran long enough to have built one gets a full collection after it."""
+    collection, with its KV pool: over the suite that grew the process past 20 GB (CI has 24). After a
+    test that ran long enough to have built one, a full collection runs once the process has grown by
+    1 GiB since the last (a collection costs a fraction of a second with torch and transformers loaded)."""
     import gc
     import time
 
     start = time.perf_counter()
     yield
-    if time.perf_counter() - start > 0.5:
+    if time.perf_counter() - start < 0.5:
+        return
+    rss = _rss_mib()
+    if rss is None or rss - _collected_at[0] > _COLLECT_GROWTH_MIB:
         gc.collect()
+        _collected_at[0] = _rss_mib() or 0
