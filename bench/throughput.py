@@ -164,7 +164,8 @@ def vllm_peer(args: argparse.Namespace):
         return None
     from kvforge.bench.vllm_peer import VllmPeer
 
-    peer = VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path))
+    peer = VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path),
+                    redraw_dummy=getattr(args, "vllm_dummy_weights", "kvforge") == "kvforge")
     print(f"--vs vllm: vLLM {peer.probe()} in {peer.python}", file=sys.stderr)
     return peer
 

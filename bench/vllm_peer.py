@@ -5,7 +5,8 @@ interpreter: ``--vllm-python`` (default: this one) with ``--vllm-path`` entries 
 ``PYTHONPATH``. The child runs ``vllm_worker.py`` (stdlib and vLLM only); both sides exchange JSON
 files (the worker's docstring has the protocol). The model becomes vLLM's arguments
 (:func:`llm_kwargs`): a ``dummy:`` preset is a temporary directory holding its ``config.json`` loaded
-with ``load_format="dummy"`` (random weights, as kvforge's); an HF directory is passed as is (with
+with ``load_format="dummy"``, whose weights the worker then draws again as kvforge draws its own (see
+:func:`redraw_spec`: vLLM's dummy weights route every token of an MoE model to the same experts); an HF directory is passed as is (with
 ``load_format="dummy"`` if kvforge's is); a GGUF file is passed as is. Everything else is vLLM's
 default: its ``max_num_seqs``, its batch-token budget, its attention backend, torch.compile and CUDA
 graphs. The child's output (vLLM's log) is shown as it comes and searched for the attention backend
@@ -41,6 +42,8 @@ class VllmPeer:
     path: list[str] = field(default_factory=list)
     timeout: float = 1800.0
     version: str | None = None
+    #: random weights (``load_format="dummy"``) drawn again as kvforge's (:func:`redraw_spec`)
+    redraw_dummy: bool = True
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -129,6 +132,21 @@ def llm_kwargs(source: Any, mc: Any, dtype: Any, seed: int, workdir: str, config
     return kwargs | {"model": source.path}
 
 
+#: the spread of kvforge's random weights (``kvforge.model_loader``): vLLM's are redrawn with it
+DUMMY_STD = 0.02
+
+
+def redraw_spec(kwargs: dict, redraw: bool = True) -> dict | None:
+    """The worker's ``redraw`` for vLLM keyword arguments: random weights (``load_format="dummy"``) are
+    drawn again as kvforge's (norms 1, the rest N(0, 0.02)), so that both engines run the same kind of
+    model: with vLLM's own (uniform +-1e-3, one seed per tensor size) a router's bias decides alone and
+    every token of an MoE model goes to the same few experts. None for real weights, or when not ``redraw``
+    (``--vllm-dummy-weights vllm``)."""
+    if not redraw or kwargs.get("load_format") != "dummy":
+        return None
+    return {"std": DUMMY_STD, "seed": kwargs.get("seed", 0)}
+
+
 def lora_spec(lora_request: Any) -> dict | None:
     """The worker's form of an adapter (``{"name", "id", "path"}``) from a kvforge ``LoRARequest``, or None."""
     if lora_request is None:
@@ -144,7 +162,8 @@ def throughput_row(peer: VllmPeer, kwargs: dict, workload: list[BenchRequest], w
     ``loras`` / ``warmup_loras``: one kvforge ``LoRARequest`` (or None: the base model) per request of
     ``workload`` / per ``warmup`` prompt; vLLM gets its own ``LoRARequest`` of the same name, id and path
     (``kwargs`` must then enable LoRA)."""
-    request = {"mode": "throughput", "llm_kwargs": kwargs, "warmup": warmup, "warmup_tokens": warmup_tokens,
+    request = {"mode": "throughput", "llm_kwargs": kwargs, "redraw": redraw_spec(kwargs, peer.redraw_dummy), "warmup": warmup,
+               "warmup_tokens": warmup_tokens,
                "requests": [{"prompt": r.prompt_token_ids, "max_tokens": r.output_len} for r in workload]}
     if loras is not None:
         if len(loras) != len(workload):
@@ -177,7 +196,7 @@ def latency_seconds(peer: VllmPeer, kwargs: dict, batches: list[list[BenchReques
                     max_tokens: list[int | None]) -> tuple[dict, list[float]]:
     """Seconds of one ``llm.generate`` per batch, in order (``max_tokens[i]`` overrides batch i's output
     lengths when set); returns (the row's header fields, the seconds)."""
-    request = {"mode": "latency", "llm_kwargs": kwargs,
+    request = {"mode": "latency", "llm_kwargs": kwargs, "redraw": redraw_spec(kwargs, peer.redraw_dummy),
                "batches": [{"prompts": [r.prompt_token_ids for r in b],
                             "max_tokens": [m or r.output_len for r in b]} for b, m in zip(batches, max_tokens)]}
     result, log = peer.call(request)
@@ -191,4 +210,5 @@ def header(result: dict, log: str) -> dict:
     backend = attention_backend(log)
     version = result.get("vllm_version", "?")
     return {"engine": f"vLLM {version} ({backend or 'backend not logged'})", "vllm_version": version,
-            "attention_backend": backend, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "attention_backend": backend, "redrawn_parameters": result.get("redrawn_parameters"),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}

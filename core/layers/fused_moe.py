@@ -285,6 +285,23 @@ def pick_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
 _triton = kernel_loader("kvforge.layers.fused_moe_kernels:build_kernels")
 
 
+def route(router_logits: torch.Tensor, top_k: int, softmax_first: bool, renormalize: bool,
+          round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """kvforge.layers.moe.select_experts in one Triton kernel (a program per token): (weights [T, k]
+    float32, ids [T, k] int64). torch's softmax, top-k, division and casts are 5-8 launches, a few
+    percent of an MoE decode step."""
+    triton, kernels = _triton()
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        kernels["route"][(num_tokens,)](router_logits, weights, ids, router_logits.stride(0), num_experts, top_k,
+                                        SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize, ROUND=round_weights,
+                                        BLOCK_E=triton.next_power_of_2(num_experts),
+                                        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_experts <= 64 else 2)
+    return weights, ids
+
+
 def _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, *, activation, w13_bias, w2_bias, swiglu_alpha,
                           swiglu_limit) -> torch.Tensor:
     _, kernels = _triton()

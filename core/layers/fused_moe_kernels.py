@@ -3,7 +3,7 @@
 
 def build_kernels(triton, tl):
     """The Triton kernels of kvforge.layers.fused_moe, built once (triton passed in, so that importing
-    fused_moe never needs it): gate/up, down, and the pair alignment (one program, or three)."""
+    fused_moe never needs it): gate/up, down, the routing, and the pair alignment (one program, or three)."""
     # NOTE: no helper @triton.jit functions: the CPU interpreter re-executes a kernel's source in its
     # module globals, where a helper held in this closure would not be found
     # (plugins/quantization/triton_kernels.py); the tile ordering is therefore written out twice.
@@ -189,6 +189,44 @@ def build_kernels(triton, tl):
         dest = tl.load(start_ptr + ids, mask=ok, other=0) + tl.load(rank_ptr + offs, mask=ok, other=0)
         tl.store(pairs_ptr + dest, offs.to(tl.int32), mask=ok)
 
-    return {"gate_up": gate_up_kernel, "down": down_kernel, "align": align_kernel,
+    @triton.jit
+    def route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts, top_k,
+                     SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token's routing, as kvforge.layers.moe.select_experts computes it: softmax over the experts
+        then the top k (renormalised, rounded), or the top k logits then a softmax over them. The k are
+        written best first; of equal scores the lowest expert wins."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        ok = offs < num_experts
+        x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        dt = logits_ptr.dtype.element_ty
+        if SOFTMAX_FIRST:
+            e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
+            score = tl.where(ok, e / tl.sum(e, axis=0), float("-inf"))
+        else:
+            score = x
+        kk = tl.arange(0, BLOCK_K)
+        k_ok = kk < top_k
+        sel_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sel_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for j in range(top_k):
+            best = tl.max(score, axis=0)
+            idx = tl.min(tl.where(score == best, offs, BLOCK_E), axis=0)
+            sel_w = tl.where(kk == j, best, sel_w)
+            sel_i = tl.where(kk == j, idx, sel_i)
+            score = tl.where(offs == idx, float("-inf"), score)
+        if SOFTMAX_FIRST:
+            if RENORMALIZE:
+                sel_w = sel_w / tl.sum(tl.where(k_ok, sel_w, 0.0), axis=0)
+            if ROUND:
+                sel_w = sel_w.to(dt).to(tl.float32)
+        else:  # a softmax over the k logits, in the logits' dtype (computed in float32, then rounded)
+            e = tl.where(k_ok, tl.exp(sel_w - tl.max(tl.where(k_ok, sel_w, float("-inf")), axis=0)), 0.0)
+            sel_w = (e / tl.sum(e, axis=0)).to(dt).to(tl.float32)
+        tl.store(weights_ptr + t * top_k + kk, sel_w, mask=k_ok)
+        tl.store(ids_ptr + t * top_k + kk, sel_i.to(tl.int64), mask=k_ok)
+
+    return {"gate_up": gate_up_kernel, "down": down_kernel, "route": route_kernel, "align": align_kernel,
             "align_count": align_count_kernel, "align_layout": align_layout_kernel,
             "align_scatter": align_scatter_kernel}

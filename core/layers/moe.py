@@ -35,7 +35,20 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring: str = "soft
                    renormalize: bool = True, round_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64), as transformers
     computes them (float32 softmax for "softmax", the weights rounded to the logits' dtype when
-    ``round_weights``, as Qwen-MoE does and Mixtral does not; the logits' dtype for "topk_softmax")."""
+    ``round_weights``, as Qwen-MoE does and Mixtral does not; the logits' dtype for "topk_softmax").
+    On CUDA one Triton kernel computes it (:func:`kvforge.layers.fused_moe.route`)."""
+    if scoring not in SCORING:
+        raise ValueError(f"MoE scoring {scoring!r} is not one of {', '.join(SCORING)}")
+    from kvforge.layers.fused_moe import route, use_triton
+
+    if use_triton(router_logits) and router_logits.dim() == 2 and router_logits.stride(-1) == 1:
+        return route(router_logits, top_k, scoring == "softmax", renormalize, round_weights)
+    return select_experts_ref(router_logits, top_k, scoring, renormalize, round_weights)
+
+
+def select_experts_ref(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+                       renormalize: bool = True, round_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_experts` in torch ops (the CPU path and the kernel's reference)."""
     if scoring == "softmax":
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, top_k, dim=-1)

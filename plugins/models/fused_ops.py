@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for the model plugins: RMSNorm (with the residual add), RoPE, SiLU-and-mul.
+"""Fused elementwise kernels for the model plugins: RMSNorm (with the residual add; Gemma's ``1 + w``
+variant), per-head q/k RMSNorm, RoPE, SiLU-and-mul.
 
 Unfused, these are ~30 small torch kernels per layer: a third of a prefill step's GPU time and a
 quarter of a decode step's on the H200 (``benchmarks/kernel_profile.py``). Each kernel here does one
@@ -41,7 +42,7 @@ def use_fused(x: torch.Tensor) -> bool:
 def _build_kernels(triton, tl):
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -52,10 +53,38 @@ def _build_kernels(triton, tl):
             tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
-        y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:  # Gemma: times (1 + w) in float32, one rounding
+            y = (xf * tl.math.rsqrt(var + eps) * (1.0 + w)).to(out_ptr.dtype.element_ty)
+        else:  # rounded to the input dtype, then times w
+            y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+            y = (y.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+    @triton.jit
+    def qk_norm_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                       num_q_heads, num_k_heads, head_dim, eps, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+        """In place, one program per token: RMSNorm over head_dim of every q head and every k head."""
+        tok = tl.program_id(0)
+        heads = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        dt = q_ptr.dtype.element_ty
+        for which in tl.static_range(2):
+            if which == 0:
+                base, w_ptr, stride_t, stride_h, nh = q_ptr, qw_ptr, stride_qt, stride_qh, num_q_heads
+            else:
+                base, w_ptr, stride_t, stride_h, nh = k_ptr, kw_ptr, stride_kt, stride_kh, num_k_heads
+            ptr = base + tok * stride_t + heads[:, None] * stride_h + offs_d[None, :]
+            mask = (heads[:, None] < nh) & (offs_d[None, :] < head_dim)
+            xf = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / head_dim + eps)
+            w = tl.load(w_ptr + offs_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
+            if OFFSET:
+                y = (xf * inv[:, None] * (1.0 + w[None, :])).to(dt)
+            else:
+                y = ((xf * inv[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt)
+            tl.store(ptr, y, mask=mask)
 
     @triton.jit
     def rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -93,38 +122,60 @@ def _build_kernels(triton, tl):
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * stride_o + offs, (act * u).to(dt), mask=mask)
 
-    return {"rms_norm": rms_norm_kernel, "rope": rope_kernel, "silu_and_mul": silu_and_mul_kernel}
+    return {"rms_norm": rms_norm_kernel, "qk_norm": qk_norm_kernel, "rope": rope_kernel,
+            "silu_and_mul": silu_and_mul_kernel}
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             offset: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``norm(x)``; with ``residual``: ``residual += x`` (in place) and returns ``(norm(residual), residual)``.
+    ``offset``: Gemma's norm, ``x / rms(x) * (1 + weight)`` in float32 then cast.
 
     x, residual: [rows, dim], rows contiguous in the last dimension.
     """
     if not use_fused(x) or x.dim() != 2 or x.stride(-1) != 1:
         if residual is None:
-            return rms_norm_ref(x, weight, eps)
+            return rms_norm_ref(x, weight, eps, offset)
         residual.add_(x)
-        return rms_norm_ref(residual, weight, eps), residual
+        return rms_norm_ref(residual, weight, eps, offset), residual
     triton, _, kernels = _triton()
     rows, dim = x.shape
-    out = torch.empty((rows, dim), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty((rows, dim), dtype=dtype, device=x.device)
     if rows:
         block = triton.next_power_of_2(dim)
         res = residual if residual is not None else x
         kernels["rms_norm"][(rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), dim, eps,
-                                     HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                     HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block,
                                      num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, residual)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [T, heads, D] and k [T, kv_heads, D] (Qwen3's and Gemma 3's q/k norms):
+    in place on the fused path (views of the QKV projection are fine), one kernel for both."""
+    if (not use_fused(q) or q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1
+            or q.dtype != k.dtype):
+        return rms_norm_ref(q, q_weight, eps, offset), rms_norm_ref(k, k_weight, eps, offset)
+    triton, _, kernels = _triton()
+    n, d = q.shape[0], q.shape[-1]
+    if n:
+        kernels["qk_norm"][(n,)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                 q.shape[1], k.shape[1], d, eps, OFFSET=offset,
+                                 BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+                                 BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return q, k
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.model import ModelCapabilities
 from kvforge.model_config import SLIDING, ModelConfig
+from kvforge.plugins.models import fused_ops
 from kvforge.plugins.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
 
@@ -32,9 +33,9 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if x.dim() != 2:  # e.g. [T, heads, D] without its partner (q/k go through fused_ops.qk_rms_norm)
+            return fused_ops.rms_norm_ref(x, self.weight, self.eps, offset=True)
+        return fused_ops.rms_norm(x, self.weight, self.eps, offset=True)
 
 
 class GemmaAttention(nn.Module):
@@ -61,7 +62,7 @@ class GemmaAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = fused_ops.qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, offset=True)
         q, k = rope(q, k)
         o = self.attn.forward(q, k, v, kv_cache, meta, self.attn_layer)
         return self.o_proj(o.reshape(n, self.q_size))

@@ -223,7 +223,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = fused_ops.qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q, k = rope(q, k)
         o = self.attn.forward(q, k, v, kv_cache, meta, self.attn_layer)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(n, self.q_size))

@@ -63,6 +63,33 @@ def test_throughput_sends_vllm_exactly_kvforges_requests(tmp_path, record, capsy
     assert "vLLM 0.0.fake: attention backend FAKE_ATTN" in text.out and "[vllm] " in text.err
 
 
+@pytest.mark.parametrize("choice", ["kvforge", "vllm"])
+def test_vllm_random_weights_are_drawn_again_as_kvforges(tmp_path, record, choice):
+    """vLLM's dummy weights (uniform +-1e-3, one seed per tensor size) route every MoE token to the same
+    experts; by default the worker draws them again as kvforge does: norms 1, the rest N(0, 0.02)."""
+    out = tmp_path / "tp.json"
+    assert bench("throughput", *ENGINE, *VS, "--num-prompts", "2", "--input-len", str(IN), "--output-len", "2",
+                 "--vllm-dummy-weights", choice, "--json", str(out)) == 0
+    vllm_row = json.loads(out.read_text())["rows"][1]
+    if choice == "vllm":
+        assert record("apply_model") == [] and vllm_row["redrawn_parameters"] is None
+        return
+    (call,) = record("apply_model")
+    assert call["env"] == "1" and call["result"] == 5 and vllm_row["redrawn_parameters"] == 5
+    for name, stats in call["params"].items():
+        if name.endswith("norm.weight"):
+            assert stats["all_ones"], name
+        else:
+            assert stats["std"] == pytest.approx(0.02, rel=0.1) and abs(stats["mean"]) < 0.005, name
+
+
+def test_real_weights_are_not_redrawn(tmp_path):
+    from kvforge.bench.vllm_peer import redraw_spec
+    assert redraw_spec({"model": str(tmp_path), "seed": 3}) is None
+    assert redraw_spec({"model": str(tmp_path), "load_format": "dummy", "seed": 3}) == {"std": 0.02, "seed": 3}
+    assert redraw_spec({"model": str(tmp_path), "load_format": "dummy"}, redraw=False) is None
+
+
 def test_dummy_preset_becomes_a_config_directory(tmp_path):
     from kvforge.bench.vllm_peer import llm_kwargs
     from kvforge.model_loader import resolve_model_source

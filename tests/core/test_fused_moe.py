@@ -307,3 +307,26 @@ def test_kernel_int32_ids_and_strided_x():
     moe["topk_ids"] = moe["topk_ids"].to(torch.int32)
     moe["x"] = torch.randn(32, 6, generator=torch.Generator().manual_seed(7)).t()  # column-major rows
     check_kernel(moe, torch.float32)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts, top_k", [(8, 2), (32, 4), (128, 8), (60, 4)])
+@pytest.mark.parametrize("scoring, renormalize, round_weights", [("softmax", True, True), ("softmax", False, False),
+                                                                ("softmax", True, False), ("topk_softmax", True, True)])
+def test_routing_kernel_matches_the_torch_routing(dtype, num_experts, top_k, scoring, renormalize, round_weights):
+    """The one-kernel routing (softmax and top-k, or top-k and softmax) picks the torch path's experts in
+    its order (distinct logits: no ties) with its weights, for expert counts that are not powers of two too."""
+    from kvforge.layers.moe import select_experts, select_experts_ref
+
+    g = torch.Generator().manual_seed(num_experts + top_k)
+    # distinct in every dtype: a permutation of evenly spaced values
+    logits = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(9)]).float() * 0.0625 - 2.0
+    logits = logits.to(dtype)
+    want_w, want_ids = select_experts_ref(logits, top_k, scoring, renormalize, round_weights)
+    got_w, got_ids = select_experts(logits, top_k, scoring, renormalize, round_weights)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    if renormalize or scoring == "topk_softmax":
+        torch.testing.assert_close(got_w.sum(-1), torch.ones(9), rtol=1e-2, atol=1e-2)

@@ -78,3 +78,31 @@ def test_graph_replay_matches_eager_exactly(model, num_tokens):
         assert torch.equal(out, call(fused_experts, static))
     tiles = pick_tiles(static["topk_ids"].numel(), static["w13"].shape[0])
     assert tiles.block_m == (16 if num_tokens <= 64 else 64)
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_routing_kernel_matches_the_torch_routing_on_the_gpu(model, num_tokens):
+    """The one-kernel routing on CUDA against the torch ops (float32 logits: no ties), with the models'
+    own scoring (Qwen3: softmax, top k, renormalised and rounded; gpt-oss: top k logits, softmax), and
+    inside a CUDA graph replayed on new logits."""
+    from kvforge.layers.moe import select_experts, select_experts_ref
+
+    experts, top_k = SHAPES[model][:2]
+    scoring = "softmax" if model.startswith("qwen") else "topk_softmax"
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, experts, generator=g, device="cuda")
+    want = select_experts_ref(logits, top_k, scoring)
+    got = select_experts(logits, top_k, scoring)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    static = logits.clone()
+    select_experts(static, top_k, scoring)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_w, out_ids = select_experts(static, top_k, scoring)
+    static.copy_(torch.randn(num_tokens, experts, generator=g, device="cuda"))
+    graph.replay()
+    want = select_experts_ref(static, top_k, scoring)
+    assert torch.equal(out_ids, want[1])
+    torch.testing.assert_close(out_w, want[0], rtol=1e-5, atol=1e-6)

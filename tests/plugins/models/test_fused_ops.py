@@ -54,6 +54,41 @@ def test_rms_norm(dtype, dim):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_offset_rms_norm(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 48, generator=g).to(dtype)
+    w = (0.1 * torch.randn(48, generator=g)).to(dtype)  # zero-centred: the norm multiplies by 1 + w
+    want = fused_ops.rms_norm_ref(x, w, 1e-6, offset=True)
+    plain = fused_ops.rms_norm_ref(x, w, 1e-6)
+    assert not torch.allclose(want.float(), plain.float(), atol=0.1)  # the two variants differ
+    _close(fused_ops.rms_norm(x, w, 1e-6, offset=True), want, dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("d", [16, 24])
+def test_qk_norm_in_place_on_qkv_views(dtype, offset, d):
+    """Qwen3's / Gemma 3's per-head q and k norms in one kernel, in place on the QKV projection's views,
+    v untouched; head sizes that are not powers of two are masked."""
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, t = 4, 2, 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(t, heads, d), k.view(t, kv_heads, d)
+    qw, kw = (0.5 + torch.rand(d, generator=g)).to(dtype), (0.5 + torch.rand(d, generator=g)).to(dtype)
+    want_q = fused_ops.rms_norm_ref(q.clone(), qw, 1e-6, offset)
+    want_k = fused_ops.rms_norm_ref(k.clone(), kw, 1e-6, offset)
+    got_q, got_k = fused_ops.qk_rms_norm(q, k, qw, kw, 1e-6, offset)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_on_qkv_views(dtype):
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, d, t = 4, 2, 16, 6

@@ -4,7 +4,9 @@ It implements what ``kvforge/bench/vllm_worker.py`` calls (``LLM``, ``SamplingPa
 ``inputs.TokensPrompt``, ``sampling_params.RequestOutputKind``, ``llm_engine.add_request/step``) and
 records every request it gets to the JSON-lines file ``$FAKE_VLLM_RECORD``, so that a test can check
 that vLLM was sent exactly kvforge's requests. ``FAKE_VLLM_BROKEN=1`` makes the import fail on a
-missing dependency; ``FAKE_VLLM_SHORT=1`` makes every request one token short.
+missing dependency; ``FAKE_VLLM_SHORT=1`` makes every request one token short. ``apply_model`` runs
+the function on a small torch model with vLLM's parameter names, drawn as vLLM's dummy loader draws
+them, and records what the function left in it.
 """
 import json
 import os
@@ -66,6 +68,24 @@ class LLM:
         print("INFO 11-24 [cuda.py:1] Using FAKE_ATTN attention backend out of potential backends: ['FAKE_ATTN']",
               flush=True)
         self.llm_engine = _Engine()
+
+    def apply_model(self, func):
+        import torch
+
+        model = torch.nn.Module()
+        names = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.0.mlp.router.bias", "model.layers.0.mlp.experts.w13_weight", "model.norm.weight"]
+        params = {}
+        for i, name in enumerate(names):
+            p = torch.nn.Parameter(torch.empty(64 + i, 32).uniform_(-1e-3, 1e-3), requires_grad=False)
+            model.register_parameter(name.replace(".", "_"), p)
+            params[name] = p
+        model.named_parameters = lambda: iter(params.items())  # vLLM's dotted names
+        result = func(model)
+        _record({"call": "apply_model", "env": os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"),
+                 "result": result, "params": {n: {"mean": p.mean().item(), "std": p.std().item(),
+                                                  "all_ones": bool((p == 1).all())} for n, p in params.items()}})
+        return [result]
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         assert len(prompts) == len(sampling_params), "one SamplingParams per prompt"
