@@ -62,7 +62,7 @@ def _add(sub: argparse._SubParsersAction, name: str, help: str, func: Callable) 
                    help="put DIR in front of vLLM's PYTHONPATH (repeatable), e.g. where its wheels are unpacked")
     v.add_argument("--vllm-dummy-weights", choices=["kvforge", "vllm"], default="kvforge",
                    help="random-weight models: vLLM's weights drawn again as kvforge's (default), or vLLM's own "
-                        "(uniform +-1e-3, which routes every MoE token to the same experts)")
+                        "(uniform +-1e-3: another model, whose MoE routing differs)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="FILE", help="write every number (args, device, rows) here")
     o.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart (needs matplotlib)")

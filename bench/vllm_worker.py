@@ -19,9 +19,8 @@ REQUEST: ``{"mode": "probe" | "throughput" | "latency", "llm_kwargs": {...}, ...
 ``redraw`` (``{"std", "seed"}``, sent for random-weight models): once loaded, vLLM's weights are drawn
 again as kvforge draws them (every norm weight 1, everything else N(0, std)) through
 ``llm.apply_model``; the result's ``redrawn_parameters`` counts them. vLLM's own dummy weights are
-uniform in +-1e-3 with one seed for every tensor of a size: a router's bias then outweighs its
-token-dependent logits, every token picks the same few experts, and an MoE model reads a fraction of
-the expert weights kvforge's random model reads. Redrawn, both engines route alike.
+uniform in +-1e-3 with one seed for every tensor of a size: another model than kvforge's random one,
+whose router spreads tokens over the experts otherwise (an MoE model's speed depends on it).
 
 Every request is greedy with EOS ignored and no detokenisation; a request that generates a token
 count other than asked is an error. On failure RESULT is ``{"error": "..."}`` and the exit status 1

@@ -65,8 +65,8 @@ def test_throughput_sends_vllm_exactly_kvforges_requests(tmp_path, record, capsy
 
 @pytest.mark.parametrize("choice", ["kvforge", "vllm"])
 def test_vllm_random_weights_are_drawn_again_as_kvforges(tmp_path, record, choice):
-    """vLLM's dummy weights (uniform +-1e-3, one seed per tensor size) route every MoE token to the same
-    experts; by default the worker draws them again as kvforge does: norms 1, the rest N(0, 0.02)."""
+    """vLLM's dummy weights (uniform +-1e-3, one seed per tensor size) are another model than kvforge's;
+    by default the worker draws them again as kvforge does: norms 1, the rest N(0, 0.02)."""
     out = tmp_path / "tp.json"
     assert bench("throughput", *ENGINE, *VS, "--num-prompts", "2", "--input-len", str(IN), "--output-len", "2",
                  "--vllm-dummy-weights", choice, "--json", str(out)) == 0
