@@ -295,10 +295,11 @@ class LLMEngine:
         """Register an adapter on every rank ahead of its requests; False if it already is.
         ``ValueError`` naming the field for a bad adapter (LoRA off, a bad path, a rank over the limit)."""
         check_lora_request(self.config, lora_request)
-        return self.lora.ensure(lora_request)
+        return self.lora.ensure(lora_request, revive=True)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Unregister an adapter no unfinished request runs under; False if it is not registered."""
+        """Unregister an adapter; False if it is not registered. Requests still running under it finish
+        with it (it is unregistered when the last one ends), and its name is free at once."""
         return self.lora.remove(lora_int_id) if self.lora is not None else False
 
     def list_loras(self) -> list[LoRARequest]:
@@ -390,6 +391,8 @@ class LLMEngine:
         """Tell the ranks about requests that ended since the last step (done when idle: no step would),
         and read back what each rank still holds (``get_stats()["rank_batch_requests"]``)."""
         ids = self.scheduler.take_finished_ids()
+        if self.lora is not None:  # adapters removed while in use go once their requests have ended
+            self.lora.release_retired()
         if ids:
             self.runner.release(ids)
             self.rank_batch_requests = [s["requests"] for s in self.executor.collective_rpc("batch_state")]

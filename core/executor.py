@@ -28,6 +28,31 @@ class WorkerFailure(RuntimeError):
     """A rank died, failed to start or raised: the engine cannot go on. The message names the rank."""
 
 
+class RankCallError(RuntimeError):
+    """A ``collective_rpc`` call raised on a rank for a reason that is not the device's (``is_device_error``
+    is false): the call failed, the rank lives on and the engine with it. The message names the rank."""
+
+
+class FailedCall:
+    """A rank's answer to a call that raised for a reason that is not the device's (executors carry it
+    back as a value, so that the rank lives on); :func:`check_calls` raises it as ``RankCallError``."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "FailedCall":
+        return cls(f"{type(exc).__name__}: {exc}")
+
+
+def check_calls(method: str, results: dict[int, Any]) -> list[Any]:
+    """Every rank's result of ``method`` in rank order; ``RankCallError`` naming the first rank that failed."""
+    for rank in sorted(results):
+        if isinstance(results[rank], FailedCall):
+            raise RankCallError(f"rank {rank}: {method} failed: {results[rank].message}")
+    return [results[r] for r in sorted(results)]
+
+
 class Executor(ABC):
     """Owns the ranks of one engine. Subclasses set ``driver`` (the in-process driver ``Worker``)."""
 

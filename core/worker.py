@@ -19,6 +19,7 @@ import torch
 from kvforge import parallel_state
 from kvforge.attention import BatchLayout
 from kvforge.config import EngineConfig
+from kvforge.errors import is_device_error
 from kvforge.input_buffers import HostInputs, StagingBuffers, h2d
 from kvforge.memory_budget import MemoryBaseline, kv_cache_budget
 from kvforge.model_config import ModelConfig
@@ -176,12 +177,16 @@ class Worker:
 
     # -- LoRA adapters (the engine's kvforge.lora.registry) ----------------------------------------
     def add_lora(self, request: Any) -> str | None:
-        """Load an adapter into this rank's host memory; the problem as text (nothing kept) if it is bad:
-        a rank reports bad input instead of raising, which would end it."""
+        """Load an adapter into this rank's host memory; the problem as text (nothing kept) if it is bad.
+
+        NOTE: a rank reports what a request brings instead of raising, which would end the rank (and the
+        engine with it): only a device-level error (``is_device_error``) is raised."""
         try:
             self.lora.add(request)
-        except ValueError as exc:
-            return str(exc)
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            return str(exc) if isinstance(exc, ValueError) else f"lora_request.lora_path: {type(exc).__name__}: {exc}"
         return None
 
     def remove_lora(self, lora_int_id: int) -> bool:

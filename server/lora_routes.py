@@ -95,16 +95,15 @@ class LoRAAdapters:
             return entry
 
     async def unload(self, name: str, lora_int_id: int | None = None) -> None:
-        """Stop serving the adapter; its engine forgets it once no request runs under it."""
+        """Stop serving the adapter: its name is free for a new load at once; requests still running under
+        it finish with it, and its engine forgets it when the last one ends."""
         async with self._lock:
             entry = next((m for m in self.models.list() if m.name == name and m.lora_request is not None), None)
             if entry is None or (lora_int_id is not None and entry.lora_request.lora_int_id != lora_int_id):
                 raise APIError(404, f"The LoRA adapter `{name}` is not loaded.", "lora_name", code="model_not_found")
             self.models.remove(name)
-            try:
-                await asyncio.to_thread(entry.engine.remove_lora, entry.lora_request.lora_int_id)
-            except ValueError as exc:  # still in use: the engine's host cache gives it back later
-                logger.info("LoRA adapter %r unloaded; the engine keeps it until its requests end (%s)", name, exc)
+            await asyncio.to_thread(entry.engine.remove_lora, entry.lora_request.lora_int_id)
+            logger.info("LoRA adapter %r (id %d) unloaded", name, entry.lora_request.lora_int_id)
 
 
 def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, allow_runtime_updating: bool) -> None:

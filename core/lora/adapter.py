@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvforge.errors import is_device_error
 
 #: the projections an adapter may target (HF names; kvforge fuses q/k/v and gate/up)
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -50,19 +54,17 @@ def _fail(field: str, message: str) -> ValueError:
 
 def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
     """Parse and check a PEFT adapter's config; ``ValueError`` naming the field and the limit."""
-    if not os.path.isdir(path):
-        raise ValueError(f"lora_request.lora_path: {path!r} is not a directory (a PEFT adapter saved with "
-                         f"save_pretrained is expected)")
     cfg_path = os.path.join(path, _CONFIG)
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"lora_request.lora_path: {path!r} has no {_CONFIG}")
-    if not any(os.path.isfile(os.path.join(path, w)) for w in _WEIGHTS):
-        raise ValueError(f"lora_request.lora_path: {path!r} has neither {' nor '.join(_WEIGHTS)}")
+    # NOTE: one message whether the path is missing, not a directory or a directory of something else,
+    # so that the error tells a client nothing about which paths exist on the server
+    if not (os.path.isfile(cfg_path) and any(os.path.isfile(os.path.join(path, w)) for w in _WEIGHTS)):
+        raise ValueError(f"lora_request.lora_path: {path!r} is not a LoRA adapter directory (a PEFT adapter "
+                         f"saved with save_pretrained: {_CONFIG} and {' or '.join(_WEIGHTS)})")
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"lora_request.lora_path: {cfg_path} is not valid JSON ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8, not JSON, nested too deep
+        raise _fail(_CONFIG, f"cannot be read as JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(raw, dict):
         raise _fail(_CONFIG, "must hold a JSON object")
     if raw.get("peft_type", "LORA") != "LORA":
@@ -84,8 +86,11 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
     for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform"):
         if raw.get(key):
             raise _fail(key, f"not supported (got {raw[key]!r}); kvforge serves plain per-projection adapters")
-    targets = raw.get("target_modules") or ()
+    targets = raw.get("target_modules") or []
     if not isinstance(targets, str):
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise _fail("target_modules", f"a list of module names or a regular expression is required, "
+                                          f"got {targets!r}")
         targets = tuple(targets)
         bad = sorted(t for t in targets if t.rsplit(".", 1)[-1] not in SUPPORTED_MODULES)
         if bad:
@@ -94,13 +99,36 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
 
 
 def load_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
-    """The adapter's tensors by checkpoint name (on the CPU)."""
+    """The adapter's tensors by checkpoint name (on the CPU). ``ValueError`` naming ``lora_path`` for a
+    file that cannot be read as tensors (truncated, corrupt, a pickle of anything but tensors: refused by
+    ``weights_only``, never run); only a device-level error (``is_device_error``) passes through."""
     st = os.path.join(path, _WEIGHTS[0])
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
+    name = _WEIGHTS[0] if os.path.isfile(st) else _WEIGHTS[1]
+    try:
+        if name == _WEIGHTS[0]:
+            from safetensors.torch import load_file
 
-        return load_file(st)
-    return torch.load(os.path.join(path, _WEIGHTS[1]), map_location="cpu", weights_only=True)
+            tensors = load_file(st)
+        else:
+            with warnings.catch_warnings():  # an old pickle protocol is refused below, not warned about
+                warnings.simplefilter("ignore")
+                tensors = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        if is_device_error(exc):
+            raise
+        raise _fail(name, f"cannot be read as LoRA weights: {_reason(exc)}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in tensors.items()):
+        raise _fail(name, "must hold a mapping of tensor names to tensors")
+    return tensors
+
+
+def _reason(exc: BaseException) -> str:
+    """A short reason for a file that failed to load (torch's unpickling advice is not for clients)."""
+    if isinstance(exc, pickle.UnpicklingError):
+        return "it holds Python objects other than tensors (refused without running them)"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
 def adapter_modules(tensors: dict[str, Any], cfg: AdapterConfig, num_layers: int

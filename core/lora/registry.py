@@ -3,8 +3,10 @@
 Adapters are registered on first use (or ahead of it: ``LLMEngine.add_lora``); every rank then
 holds the adapter ready in host memory. At most ``max_cpu_loras`` stay registered: registering one
 more unregisters the least recently used adapter that no unfinished request runs under (a later
-request for it registers it again, from its path). A bad adapter is refused with a ``ValueError``
-and costs nothing else: the ranks report problems instead of raising.
+request for it registers it again, from its path). Removing an adapter that unfinished requests run
+under retires it: its name is free at once, and it is unregistered when the last of them ends. A bad
+adapter is refused with a ``ValueError`` and costs nothing else: the ranks report problems instead of
+raising.
 """
 from __future__ import annotations
 
@@ -46,20 +48,26 @@ class LoRARegistry:
         self.config, self.executor, self.in_use = config, executor, in_use
         self.capacity = config.max_cpu_loras or config.max_loras
         self.loras: collections.OrderedDict[int, LoRARequest] = collections.OrderedDict()  # LRU first
+        # NOTE: a retired adapter was removed while requests ran under it: they finish with it, its name
+        # is free at once for another id, and it is unregistered once the last of them ends
+        self.retired: set[int] = set()
 
-    def ensure(self, request: LoRARequest) -> bool:
-        """Register ``request`` on every rank unless it is; True if it was new."""
+    def ensure(self, request: LoRARequest, *, revive: bool = False) -> bool:
+        """Register ``request`` on every rank unless it is; True if it was new. A retired adapter still
+        serves the requests that name it (sent before it was removed) until they end; ``revive``
+        (``LLMEngine.add_lora``) registers it again for good, if its name is still free."""
+        self.release_retired()
         known = self.loras.get(request.lora_int_id)
         if known is not None:
             if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
                 raise ValueError(f"lora_request.lora_int_id: {request.lora_int_id} is already adapter "
                                  f"{known.lora_name!r} ({known.lora_path}); each adapter needs its own id")
+            if revive and request.lora_int_id in self.retired:
+                self._check_name_free(request)
+                self.retired.discard(request.lora_int_id)
             self.loras.move_to_end(request.lora_int_id)
             return False
-        for other in self.loras.values():
-            if other.lora_name == request.lora_name:
-                raise ValueError(f"lora_request.lora_name: {request.lora_name!r} is already adapter id "
-                                 f"{other.lora_int_id}")
+        self._check_name_free(request)
         self._make_room()
         errors = [e for e in self.executor.collective_rpc("add_lora", request) if e]
         if errors:
@@ -67,6 +75,12 @@ class LoRARegistry:
             raise ValueError(errors[0])
         self.loras[request.lora_int_id] = request
         return True
+
+    def _check_name_free(self, request: LoRARequest) -> None:
+        for other in self.list():
+            if other.lora_name == request.lora_name and other.lora_int_id != request.lora_int_id:
+                raise ValueError(f"lora_request.lora_name: {request.lora_name!r} is already adapter id "
+                                 f"{other.lora_int_id}")
 
     def _make_room(self) -> None:
         if len(self.loras) < self.capacity:
@@ -76,17 +90,32 @@ class LoRARegistry:
         if victim is None:
             raise ValueError(f"lora_request: all max_cpu_loras={self.capacity} registered adapters are in use by "
                              f"unfinished requests (--max-cpu-loras)")
-        self.remove(victim)
+        self._unregister(victim)
 
     def remove(self, lora_int_id: int) -> bool:
-        """Unregister an adapter (its requests, if any, must have finished); False if unknown."""
-        if lora_int_id not in self.loras:
+        """Unregister an adapter; False if unknown (or already removed). One that unfinished requests run
+        under is retired instead: they finish with it and it is unregistered when the last one ends."""
+        self.release_retired()
+        if lora_int_id not in self.loras or lora_int_id in self.retired:
             return False
         if lora_int_id in set(self.in_use()):
-            raise ValueError(f"lora_int_id: adapter {lora_int_id} is in use by unfinished requests")
-        del self.loras[lora_int_id]
-        self.executor.collective_rpc("remove_lora", lora_int_id)
+            self.retired.add(lora_int_id)
+        else:
+            self._unregister(lora_int_id)
         return True
 
+    def release_retired(self) -> None:
+        """Unregister the retired adapters no unfinished request runs under any more (the engine calls
+        this when its requests have ended)."""
+        if self.retired:
+            for lid in self.retired - set(self.in_use()):
+                self._unregister(lid)
+
+    def _unregister(self, lora_int_id: int) -> None:
+        self.retired.discard(lora_int_id)
+        del self.loras[lora_int_id]
+        self.executor.collective_rpc("remove_lora", lora_int_id)
+
     def list(self) -> list[LoRARequest]:
-        return list(self.loras.values())
+        """The registered adapters (retired ones left out), least recently used first."""
+        return [r for lid, r in self.loras.items() if lid not in self.retired]

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvforge.errors import is_device_error
 from kvforge.lora.adapter import adapter_modules, load_adapter_tensors, read_adapter_config
 from kvforge.lora.layers import LoRAContext, LoRALinear, wrap_model
 from kvforge.lora.ops import LoRABatch, group_request_rows, tile_capacity, tile_grouping
@@ -43,11 +44,29 @@ class LoRAManager:
     # -- registration (the engine's add_lora / remove_lora) ---------------------------------------
     def add(self, request: LoRARequest) -> bool:
         """Read, check and shard an adapter into host memory; False if it is already here.
-        ``ValueError`` naming the field for a bad adapter (nothing is kept then)."""
+        ``ValueError`` naming the field for a bad adapter (nothing is kept then); any failure to read or
+        fit its files is one, unless it is device-level (``is_device_error``)."""
         if request.lora_int_id in self.images:
             return False
-        cfg = read_adapter_config(request.lora_path, self.max_lora_rank)
-        modules = adapter_modules(load_adapter_tensors(request.lora_path), cfg, self.num_layers)
+        try:
+            images, rank, num_modules = self._read(request.lora_path)
+        except ValueError:
+            raise
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            raise ValueError(f"lora_request.lora_path: {request.lora_path!r} cannot be loaded as a LoRA adapter "
+                             f"of this model ({type(exc).__name__}: {exc})") from None
+        self.images[request.lora_int_id] = images
+        self.requests[request.lora_int_id] = request
+        logger.info("LoRA adapter %r (id %d, rank %d, %d modules) loaded from %s", request.lora_name,
+                    request.lora_int_id, rank, num_modules, request.lora_path)
+        return True
+
+    def _read(self, path: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int, int]:
+        """(this rank's slot images by wrapped layer, the adapter's rank, its number of modules)."""
+        cfg = read_adapter_config(path, self.max_lora_rank)
+        modules = adapter_modules(load_adapter_tensors(path), cfg, self.num_layers)
         by_layer: dict[str, dict] = {}
         for module, (a, b) in modules.items():
             layer_name, part = self._target(module, a)
@@ -58,11 +77,7 @@ class LoRAManager:
         for name, parts in by_layer.items():
             a_img, b_img = self.layers[name].slot_image(parts)
             images[name] = (a_img.pin_memory(), b_img.pin_memory()) if self.pin else (a_img, b_img)
-        self.images[request.lora_int_id] = images
-        self.requests[request.lora_int_id] = request
-        logger.info("LoRA adapter %r (id %d, rank %d, %d modules) loaded from %s", request.lora_name,
-                    request.lora_int_id, cfg.rank, len(modules), request.lora_path)
-        return True
+        return images, cfg.rank, len(modules)
 
     def _target(self, module: str, a: torch.Tensor) -> tuple[str | None, object]:
         """(wrapped layer name, part id) of a checkpoint module, or (None, None) off this stage."""

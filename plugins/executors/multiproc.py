@@ -29,7 +29,16 @@ from typing import Any, Callable
 
 import torch
 
-from kvforge.executor import Executor, WorkerFailure, free_port, start_driver, stop_processes
+from kvforge.errors import is_device_error
+from kvforge.executor import (
+    Executor,
+    FailedCall,
+    WorkerFailure,
+    check_calls,
+    free_port,
+    start_driver,
+    stop_processes,
+)
 from kvforge.step_input import StepInput
 from kvforge.worker import ForwardOutput, Worker, WorkerSpec
 
@@ -136,13 +145,21 @@ class MultiprocExecutor(Executor):
         payload = pickle.dumps(("rpc", method, args, kwargs))
         with self._lock:
             self._send_all(payload)
+            mine: Any = None
             try:
                 mine = getattr(self.driver, method)(*args, **kwargs)
             except Exception as exc:
-                raise self._failure(exc) from exc
+                if is_device_error(exc):
+                    raise self._failure(exc) from exc
+                driver_error = exc
+            else:
+                driver_error = None
+            # NOTE: every rank's answer is read, even after a failure: an unread one would answer the next call
             results = {rank: self._reply(rank) for rank in self.conns}
+        if driver_error is not None:  # the driver's own error, as it was raised (a ValueError stays one)
+            raise driver_error
         results[self.spec.driver_rank] = mine
-        return [results[r] for r in range(self.spec.world_size)]
+        return check_calls(method, results)
 
     def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
                       prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:
@@ -176,6 +193,8 @@ class MultiprocExecutor(Executor):
         if msg[0] == "error":
             self.errors[rank] = msg[1]
             raise WorkerFailure(self.describe(rank, "failed"))
+        if msg[0] == "failed":  # the call failed on that rank, which lives on
+            return FailedCall(msg[1])
         return msg[1]
 
     # -- failures --------------------------------------------------------------------------------

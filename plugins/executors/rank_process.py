@@ -14,6 +14,8 @@ import traceback
 
 import torch
 
+from kvforge.errors import is_device_error
+from kvforge.executor import FailedCall
 from kvforge.log_format import configure_logging, inherited_format
 from kvforge.worker import Worker, WorkerSpec
 
@@ -32,7 +34,8 @@ def main(argv: list[str]) -> int:
 
 def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Connection) -> None:
     """Build the worker, then serve the engine's messages: ("exec", step), ("rpc", method, args,
-    kwargs) (answered), ("stop",). Any failure is reported on the connection and ends the process."""
+    kwargs) (answered ("ok", value), or ("failed", message) when the call raised for a reason that is
+    not the device's), ("stop",). Any other failure is reported on the connection and ends the process."""
     try:
         if spec.config.torch_device.type == "cpu":  # the ranks share the node's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
@@ -50,12 +53,31 @@ def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Conne
             if kind == "exec":
                 worker.execute(msg[1])
             elif kind == "rpc":
-                conn.send(("ok", getattr(worker, msg[1])(*msg[2], **msg[3])))
+                conn.send(("ok", _call(worker, msg[1], msg[2], msg[3])))
             elif kind == "stop":
                 break
+        except _CallFailed as failed:  # the call's failure, not the rank's: answered, and the rank goes on
+            conn.send(("failed", failed.message))
         except BaseException as exc:
             _fail(conn, exc)
     worker.close()
+
+
+class _CallFailed(Exception):
+    def __init__(self, failed: FailedCall):
+        self.message = failed.message
+
+
+def _call(worker: Worker, method: str, args: tuple, kwargs: dict) -> object:
+    """An RPC on the worker. NOTE: only a device-level error (``is_device_error``) or a step's failure
+    ends a rank; anything else a call raises is its caller's to report (``RankCallError``)."""
+    try:
+        return getattr(worker, method)(*args, **kwargs)
+    except Exception as exc:
+        if is_device_error(exc):
+            raise
+        logger.warning("%s failed: %s: %s", method, type(exc).__name__, exc)
+        raise _CallFailed(FailedCall.of(exc)) from None
 
 
 def _fail(conn: multiprocessing.connection.Connection, exc: BaseException) -> None:

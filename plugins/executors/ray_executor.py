@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvforge.executor import Executor, WorkerFailure, free_port, start_driver
+from kvforge.errors import is_device_error
+from kvforge.executor import Executor, FailedCall, WorkerFailure, check_calls, free_port, start_driver
 from kvforge.step_input import StepInput
 from kvforge.worker import ForwardOutput, Worker, WorkerSpec
 
@@ -43,7 +44,14 @@ class RankActor:
                                       "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def rpc(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        """A call on this rank's worker; a failure that is not the device's comes back as a value (the
+        driver raises ``RankCallError``), so that the actor lives on."""
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception as exc:
+            if is_device_error(exc):
+                raise
+            return FailedCall.of(exc)
 
     def execute(self, step: StepInput) -> None:
         self.worker.execute(step)
@@ -162,7 +170,7 @@ class RayExecutor(Executor):
             except Exception as exc:
                 raise WorkerFailure(f"rank {rank} (Ray actor) failed in {method}: {_cause(exc)}") from None
         results[self.spec.driver_rank] = mine
-        return [results[r] for r in range(self.spec.world_size)]
+        return check_calls(method, results)
 
     def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
                       prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:

@@ -163,3 +163,25 @@ def test_lora_request_without_enable_lora_is_refused(tiny_llm, adapters):
     with pytest.raises(ValueError, match="lora_request: expected kvforge.LoRARequest"):
         LLM(None, device="cpu", enable_lora=True, max_model_len=64, **SMALL_POOL).generate(
             "hi", GREEDY, lora_request="sql", use_tqdm=False)
+
+
+def test_removing_an_adapter_in_use_frees_its_name_and_its_requests_finish_with_it(llm, adapters, prompt_ids,
+                                                                                   references, check_no_blocks):
+    engine, worker = llm.llm_engine, llm.llm_engine.executor.driver
+    old = LoRARequest("renamed", 60, adapters[2].lora_path)
+    engine.add_request("under-old", {"prompt_token_ids": prompt_ids[3]}, GREEDY, lora_request=old)
+    engine.step()  # the request runs under adapter 60
+    assert engine.remove_lora(60) and 60 not in {r.lora_int_id for r in engine.list_loras()}
+    assert not engine.remove_lora(60)  # already removed
+    new = LoRARequest("renamed", 61, adapters[0].lora_path)
+    assert engine.add_lora(new)  # the name is free at once (it was: 'renamed' is already adapter id 60)
+    assert {60, 61} <= set(worker.lora.list())  # 60 stays on the rank while its request runs
+    engine.add_request("under-new", {"prompt_token_ids": prompt_ids[0]}, GREEDY, lora_request=new)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(finished["under-old"].outputs[0].token_ids) == references[2, 3]  # shared with the mixed batch test
+    assert list(finished["under-new"].outputs[0].token_ids) == references[0, 0]
+    assert 60 not in worker.lora.list() and 61 in worker.lora.list()  # unregistered once its request ended
+    assert engine.remove_lora(61) and 61 not in worker.lora.list()
+    check_no_blocks(engine)

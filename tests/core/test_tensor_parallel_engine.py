@@ -160,3 +160,25 @@ def test_speculative_decoding_under_tp2_keeps_the_tokens():
         assert llm.llm_engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
     finally:
         llm.shutdown()
+
+
+def test_a_call_that_raises_on_every_rank_fails_alone_and_the_ranks_live_on(tp2):
+    """Issue 34: a call that raises for a reason that is not the device's (as a corrupt file a request
+    brought would) is that call's error, as the driver raised it; no rank process exits (they used to),
+    and the next call and the next steps are answered in order (every rank's reply was read)."""
+    executor = tp2.llm_engine.executor
+    procs = dict(executor.procs)
+    with pytest.raises(TypeError, match="positional argument"):
+        executor.collective_rpc("batch_state", "an argument it does not take")
+    assert executor.procs == procs and all(p.poll() is None for p in procs.values())
+    assert [s["requests"] for s in executor.collective_rpc("batch_state")] == [0, 0]
+    got, _ = _run(tp2)
+    assert len(got) == len(_requests()[0]) and all(got)
+
+
+def test_a_rank_s_failed_call_is_a_rank_call_error_naming_the_first_rank():
+    from kvforge.executor import FailedCall, RankCallError, check_calls
+
+    assert check_calls("m", {1: "b", 0: "a"}) == ["a", "b"]
+    with pytest.raises(RankCallError, match=r"^rank 1: m failed: OSError: unreadable$"):
+        check_calls("m", {0: "a", 2: FailedCall("ValueError: later"), 1: FailedCall.of(OSError("unreadable"))})
