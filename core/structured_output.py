@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +37,51 @@ logger = logging.getLogger(__name__)
 
 #: overrunning compilations that may still run on abandoned threads before new constraints are refused
 MAX_ABANDONED = 4
+#: the clock and C++ source location xgrammar puts before its messages: ``[11:13:49] /project/cpp/x.cc:4944: ``
+_XGRAMMAR_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\] \S+:\d+: ")
+#: keywords whose values are JSON data, not schemas: a ``$ref`` key inside them is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+#: keywords whose values map names to schemas (a key there is a name, never a keyword)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's message without its clock and C++ source location (they tell a client nothing)."""
+    return _XGRAMMAR_PREFIX.sub("", str(exc)).strip()
+
+
+def check_local_refs(schema: Any) -> None:
+    """``ValueError`` if a ``$ref`` anywhere in ``schema`` is not a pointer into the schema itself (``#`` or
+    ``#/...``): xgrammar resolves no other, and compiles such a reference to "any JSON" with only a warning.
+
+    NOTE: iterative, as a schema may nest deeper than Python recurses; the values of data keywords
+    (``const``, ``enum``...) are skipped, as a ``$ref`` key there is data.
+    """
+    # (node, its path as a linked list (parent path, key) built only for the message, is a map of schemas)
+    stack: list[tuple[Any, tuple | None, bool]] = [(schema, None, False)]
+    while stack:
+        node, path, is_map = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, (path, i), False) for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = None if is_map else node.get("$ref")
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+            raise ValueError(f"the $ref {ref[:200]!r} at {_pointer(path)[:200]} is not a pointer into the schema "
+                             "itself ('#' or '#/...'): external documents and anchors are not resolved")
+        for key, value in node.items():
+            if is_map or key not in _DATA_KEYWORDS:
+                stack.append((value, (path, key), not is_map and key in _SCHEMA_MAPS))
+
+
+def _pointer(path: tuple | None) -> str:
+    """The JSON pointer (RFC 6901) of a linked path from :func:`check_local_refs`."""
+    keys = []
+    while path is not None:
+        path, key = path
+        keys.append(str(key).replace("~", "~0").replace("/", "~1"))
+    return "/".join(["#", *reversed(keys)])
 
 
 class GrammarState:
@@ -141,7 +187,7 @@ class StructuredOutputManager:
         try:
             if so.json is not None:
                 schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-                json.loads(schema)
+                check_local_refs(json.loads(schema))
                 # compact JSON: free whitespace lets a weak model loop on spaces forever
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if so.json_object:
@@ -151,7 +197,7 @@ class StructuredOutputManager:
             alternatives = " | ".join(json.dumps(c) for c in so.choice)
             return compiler.compile_grammar(f"root ::= {alternatives}")
         except Exception as exc:
-            raise ValueError(f"structured_outputs: invalid constraint: {exc}") from exc
+            raise ValueError(f"structured_outputs: invalid constraint: {xgrammar_message(exc)}") from exc
 
     def _compile_checked(self, so: StructuredOutputsParams) -> Any:
         """Compile, then refuse a constraint that admits no output at all (e.g. ``{"$ref": "#"}``, a

@@ -26,7 +26,7 @@ from kvforge.errors import RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, bad_request_from_value_error
-from kvforge.server.response_store import ResponseStore
+from kvforge.server.response_store import ResponseStore, StoredResponse, json_bytes
 from kvforge.server.responses_protocol import (
     ITEM,
     FunctionChoice,
@@ -41,6 +41,9 @@ from kvforge.tool_parsing import ReasoningParser, StreamDelta, get_reasoning_par
 if TYPE_CHECKING:
     from kvforge.server.models import ServedModel, ServedModels
     from kvforge.server.openai_api import OpenAIServing
+
+#: the store's bounds, as the 404 and 400 for an id it does not hold say them
+_KEPT = "kvforge keeps the {} most recent responses created with store=true, {} bytes of them at most"
 
 logger = logging.getLogger("kvforge.server")
 
@@ -61,8 +64,8 @@ def add_responses_routes(app: FastAPI, models: ServedModels, store: ResponseStor
     async def retrieve_response(response_id: str):
         stored = store.get(response_id)
         if stored is None:
-            raise APIError(404, f"No response found with id '{response_id}' (kvforge keeps the {store.capacity} "
-                                "most recent responses created with store=true)", "response_id", code="not_found")
+            raise APIError(404, f"No response found with id '{response_id}' "
+                                f"({_KEPT.format(store.capacity, store.max_bytes)})", "response_id", code="not_found")
         return JSONResponse(stored.body)
 
 
@@ -75,15 +78,16 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
         if getattr(req, name) is not None:
             logger.info("request from %s %r", name, getattr(req, name))
     history: list[Any] = []
+    previous: StoredResponse | None = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
         if previous is None:
             raise APIError(400, f"previous_response_id: Previous response with id '{req.previous_response_id}' not "
-                                f"found (kvforge keeps the {store.capacity} most recent responses created with "
-                                "store=true)",
+                                f"found ({_KEPT.format(store.capacity, store.max_bytes)})",
                            "previous_response_id", code="previous_response_not_found")
         history = previous.items
     items = history + req.items()
+    items_bytes = _stored_size(req, items, previous, store)
     plan = _tool_plan(req, options)
     constraint, field = _format_constraint(req)
     if plan.constrained:
@@ -108,7 +112,8 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     if constraint is not None:
         await serving.check_structured(constraint, field)
     reasoning = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
-    turn = _Turn(req, served.name, plan, reasoning if constraint is None else None, len(ids), items, store, serving)
+    turn = _Turn(req, served.name, plan, reasoning if constraint is None else None, len(ids), items, store, serving,
+                 items_bytes)
     started = await serving.start([{"prompt": prompt, "prompt_token_ids": ids}], [params], turn.id, 0,
                                   served.lora_request)
     if req.stream:
@@ -122,6 +127,20 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     body = turn.finished(output, finish, n_out, cached, await turn.count_tokens(reasoning_text))
     turn.keep(body)
     return JSONResponse(body)
+
+
+def _stored_size(req: ResponsesRequest, items: list[Any], previous: StoredResponse | None,
+                 store: ResponseStore) -> int | None:
+    """The JSON size of the conversation a stored response would keep (None with ``store: false``): a 400
+    naming ``input`` before any work when it alone is over the store's byte limit."""
+    if not req.store:
+        return None
+    size = store.measure(items, previous)
+    if size > store.max_bytes:
+        raise APIError(400, f"input: with store=true this conversation would take {size} bytes of the response "
+                            f"store, over its limit of {store.max_bytes} (--max-responses-store-bytes); send "
+                            "store=false or start a new conversation", "input")
+    return size
 
 
 def _or(value: float | None, default: float) -> float:
@@ -146,9 +165,11 @@ class _Turn:
     """One request's response: its echoed settings, its output items (whole or streamed), its storage."""
 
     def __init__(self, req: ResponsesRequest, model: str, plan: ToolPlan, reasoning: type[ReasoningParser] | None,
-                 input_tokens: int, items: list[Any], store: ResponseStore, serving: OpenAIServing):
+                 input_tokens: int, items: list[Any], store: ResponseStore, serving: OpenAIServing,
+                 items_bytes: int | None = None):
         self.req, self.model, self.plan, self.reasoning = req, model, plan, reasoning
         self.input_tokens, self.items, self.store, self.serving = input_tokens, items, store, serving
+        self.items_bytes = items_bytes  # ResponseStore.measure(items), when create() measured it
         self.id = _new_id("resp")
         self.created_at = int(time.time())
 
@@ -187,7 +208,8 @@ class _Turn:
 
     def keep(self, body: dict[str, Any]) -> None:
         """Store the response (``store: true``) with the conversation it ends: its output items but a call
-        cut short (its arguments are not JSON yet), and none of a failed response's."""
+        cut short (its arguments are not JSON yet), and none of a failed response's. One larger than the
+        store's byte limit with its output is not kept (a warning says so)."""
         if not self.req.store:
             return
         output = []
@@ -196,7 +218,10 @@ class _Turn:
                 output.append(ITEM.validate_python(item))
             except ValidationError:
                 pass
-        self.store.put(body, self.items + output)
+        items_bytes = self.store.measure(self.items) if self.items_bytes is None else self.items_bytes
+        if not self.store.put(body, self.items + output, items_bytes + sum(json_bytes(i) for i in output)):
+            logger.warning("response %s not stored: with its output it is larger than the response store's limit "
+                           "of %d bytes", self.id, self.store.max_bytes)
 
     async def count_tokens(self, text: str) -> int:
         """Reasoning tokens, counted by tokenizing the reasoning text again (0 without a reasoning parser)."""

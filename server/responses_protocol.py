@@ -8,7 +8,8 @@ docs/responses.md lists both, and a test holds the lists to this model.
 Input items are the ones a client sends back to continue a conversation: messages (``type`` optional),
 the model's ``function_call`` items and their ``function_call_output`` results, and ``reasoning`` items
 (accepted so that a response's ``output`` can be sent back as it is; their text is not rendered, as chat
-templates drop earlier turns' reasoning).
+templates drop earlier turns' reasoning). What an item carries but the prompt does not show costs stored
+memory and no tokens, so no token limit bounds it: ``MAX_UNRENDERED_ITEM_BYTES`` does.
 """
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
 }
 #: metadata bounds (OpenAI's)
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+#: bytes (JSON) an input item may carry that are not rendered into the prompt: a whole ``reasoning`` item,
+#: ids, annotations, logprobs. The reasoning kvforge returns is bounded by the output's tokens (~4 bytes
+#: each): 1 MiB leaves room for ~250k tokens of it sent back, while refusing a client that would fill the
+#: response store with items that cost no tokens (issue 34)
+MAX_UNRENDERED_ITEM_BYTES = 2**20
 
 
 class _Body(BaseModel):
@@ -159,6 +165,20 @@ InputItem = Annotated[
         "(kvforge runs no built-in tools, so no other item can come back)")),
 ]
 ITEM = TypeAdapter(InputItem)
+
+
+def unrendered_bytes(item: Any) -> int:
+    """The JSON size of what an input item carries but :func:`conversation` does not render: all of a
+    reasoning item; a message's or a call's id, status and annotations; not a message's text, a call's name
+    and arguments, or an output's text (rendered, so bounded by the context length)."""
+    exclude: Any = set()
+    if isinstance(item, Message):
+        exclude = {"content"} if isinstance(item.content, str) else {"content": {"__all__": {"text", "refusal"}}}
+    elif isinstance(item, FunctionCallItem):
+        exclude = {"name", "arguments"}
+    elif isinstance(item, FunctionCallOutputItem):
+        exclude = {"output"} if isinstance(item.output, str) else {"output": {"__all__": {"text"}}}
+    return len(item.model_dump_json(exclude=exclude).encode())
 
 
 def conversation(items: list[Any], instructions: str | None) -> list[dict]:
@@ -312,6 +332,12 @@ class ResponsesRequest(_Body):
     def _some_input(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("input must not be an empty list")
+        for i, item in enumerate(v if isinstance(v, list) else []):
+            size = unrendered_bytes(item)
+            if size > MAX_UNRENDERED_ITEM_BYTES:
+                raise ValueError(f"item {i} ({item.type}) carries {size} bytes that are not rendered into the prompt "
+                                 f"(reasoning, ids, annotations); at most {MAX_UNRENDERED_ITEM_BYTES} are accepted "
+                                 "per item")
         return v
 
     @field_validator("metadata")

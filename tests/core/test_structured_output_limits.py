@@ -1,14 +1,17 @@
 """Structured outputs fail only their own request: a constraint that admits nothing, one that does not
-compile in time, and the bounded cache of compiled constraints."""
+compile in time, and the bounded cache of compiled constraints. Refusals say what is wrong in the
+client's terms: no xgrammar clock or C++ source path, and a reference outside the schema named."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 
 from kvforge import LLM, SamplingParams
 from kvforge.sampling_params import StructuredOutputsParams as SO
+from kvforge.structured_output import check_local_refs
 
 #: ~0.7 s to compile on this machine: far over a 50 ms limit
 SLOW_SCHEMA = {"enum": [f"value-{i}" for i in range(20000)]}
@@ -51,3 +54,41 @@ def test_compiled_constraints_are_kept_in_a_bounded_cache():
         mgr.check(SO(choice=[word]))
     assert len(mgr._cache) == 2
     assert [json.loads(k[0]) if k[0] else k[2] for k in mgr._cache] == [("c",), ("d",)]
+
+
+def test_xgrammar_errors_carry_no_clock_or_source_path(tiny_llm):
+    mgr = tiny_llm.llm_engine.structured_outputs
+    with pytest.raises(ValueError) as err:
+        mgr.check(SO(json={"type": "bogus"}))
+    assert str(err.value) == 'structured_outputs: invalid constraint: Unsupported type "bogus"'
+    with pytest.raises(ValueError) as err:
+        mgr.check(SO(regex="(["))
+    assert str(err.value) == "structured_outputs: invalid constraint: Regex parsing error at position 3: Unclosed '['"
+
+
+@pytest.mark.parametrize("schema, ref, where", [
+    ({"$ref": "https://example.com/s.json"}, "https://example.com/s.json", "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "other.json#/x", "#/properties/a"),
+    ({"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#anchor"}}]}, "#anchor", "#/anyOf/1/items"),
+    ({"$defs": {"a/b": {"$ref": "s.json"}}, "$ref": "#/$defs/a~1b"}, "s.json", "#/$defs/a~1b"),
+])
+def test_a_reference_outside_the_schema_is_refused_wherever_it_is(tiny_llm, schema, ref, where):
+    # xgrammar would compile each one to "any JSON" with only a warning in the log
+    with pytest.raises(ValueError, match=re.escape(f"the $ref '{ref}' at {where} is not a pointer into the schema")):
+        tiny_llm.llm_engine.structured_outputs.check(SO(json=json.dumps(schema)))
+
+
+def test_local_references_and_ref_named_data_are_accepted(tiny_llm):
+    mgr = tiny_llm.llm_engine.structured_outputs
+    mgr.check(SO(json={"$defs": {"n": {"type": "integer"}}, "type": "array", "items": {"$ref": "#/$defs/n"}}))
+    # a property called "$ref", and "$ref" keys in data (const, default) are not references
+    mgr.check(SO(json={"type": "object", "properties": {"$ref": {"type": "string"}},
+                       "default": {"$ref": "https://example.com"}, "required": ["$ref"]}))
+
+
+def test_the_reference_check_walks_any_depth_without_recursion():
+    schema: dict = {"$ref": "s.json"}
+    for _ in range(5_000):  # Python recurses 1,000 deep
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(ValueError, match="'s.json' at #/items/items/"):
+        check_local_refs(schema)

@@ -1,4 +1,6 @@
 """Bad input over raw HTTP: each is a 400 naming the field, and the server serves the next request."""
+import re
+
 import httpx
 import pytest
 
@@ -89,3 +91,27 @@ def test_bad_requests_leak_no_blocks(server):
         post(server, "/v1/completions", {"prompt": [10 ** 9]})
     assert metric(server, "kvforge:kv_cache_usage_perc") == 0.0
     assert metric(server, "kvforge:num_requests_waiting") == 0.0
+
+
+@pytest.mark.parametrize("path,body,param,says", [
+    ("/v1/completions", COMPLETION | {"guided_json": {"type": "bogus"}}, "guided_json", 'Unsupported type "bogus"'),
+    ("/v1/chat/completions", CHAT | {"structured_outputs": {"regex": "(["}}, "structured_outputs",
+     "Regex parsing error at position 3"),
+    ("/v1/completions", COMPLETION | {"guided_json": {"$ref": "https://example.com/s.json"}}, "guided_json",
+     "the $ref 'https://example.com/s.json' at # is not a pointer into the schema"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"a": {"$ref": "s.json#/x"}}}}}}, "response_format",
+     "the $ref 's.json#/x' at #/properties/a is not a pointer"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "text": {"format": {
+        "type": "json_schema", "name": "s", "schema": {"items": [{"$ref": "s.json"}]}}}}, "text.format",
+     "the $ref 's.json' at #/items/0 is not a pointer"),
+])
+def test_constraint_errors_name_the_field_in_the_clients_terms(server, path, body, param, says):
+    """xgrammar's clock and C++ source path are gone (issue 34), and a reference outside the schema, which
+    xgrammar compiles to "any JSON", is refused."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert ".cc:" not in err["message"] and not re.search(r"\[\d+:\d\d:\d\d\]", err["message"]), err
+    still_serves(server)

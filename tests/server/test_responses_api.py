@@ -7,16 +7,17 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from conftest import ServerProcess
+from conftest import API_KEY, ServerProcess
 from kvforge.errors import RequestFailedError, RequestFailure
 from kvforge.server.response_store import ResponseStore
 from kvforge.server.responses_api import _Turn
-from kvforge.server.responses_protocol import RESPONSES_REFUSED, ResponsesRequest
+from kvforge.server.responses_protocol import MAX_UNRENDERED_ITEM_BYTES, RESPONSES_REFUSED, ResponsesRequest
 from kvforge.server.tools import ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
 
@@ -282,12 +283,21 @@ def test_a_named_call_cut_short_streams_incomplete_and_is_not_replayed():
     assert store.get(turn.id).items == req.items()  # the cut call cannot be sent back
 
 
-def test_the_store_keeps_the_most_recent():
-    store = ResponseStore(capacity=2)
-    for i in range(3):
-        store.put({"id": f"resp_{i}"}, [])
-    assert store.get("resp_0") is None and [store.get(f"resp_{i}").body["id"] for i in (1, 2)] == ["resp_1", "resp_2"]
-    assert len(store) == 2
+# -- over the tiny server (conftest's): what a client sends that is kept but not rendered is bounded ----
+def test_an_unrendered_item_over_its_limit_is_a_400_naming_input_and_one_under_it_is_kept(server):
+    def create(text):
+        item = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+        return httpx.post(f"{server.url}/v1/responses", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                          json={"model": "tiny", "input": [item, {"role": "user", "content": "hi"}],
+                                "max_output_tokens": 2})
+    r = create("r" * 2 * 2**20)  # 2 MiB that cost no token (issue 34's were 12 MiB for 32 prompt tokens)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    said = re.search(r"item 0 \(reasoning\) carries (\d+) bytes .* at most (\d+) ", r.json()["error"]["message"])
+    assert int(said[1]) > 2 * 2**20 and int(said[2]) == MAX_UNRENDERED_ITEM_BYTES
+    r = create("r" * 1000)
+    assert r.status_code == 200, r.text
+    kept = httpx.get(f"{server.url}/v1/responses/{r.json()['id']}", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert kept.json() == r.json()
 
 
 def test_docs_list_the_honoured_and_refused_fields():
