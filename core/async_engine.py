@@ -10,7 +10,8 @@ Failures (docs/reliability.md): a request that fails on its own ends with ``Requ
 and its stream raises :class:`~kvforge.errors.RequestFailedError`; every other stream carries on. An
 exception that escapes a step is device-wide: the engine is dead, every stream raises
 :class:`EngineDeadError` at once, and :attr:`AsyncLLMEngine.dead` is set for whoever must react
-(the server stops).
+(the server stops). With ``step_timeout_s`` a :class:`~kvforge.watchdog.StepWatchdog` does the same for
+a loop that stops making progress (a step that never ends).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvforge.errors import EngineDeadError, RequestFailedError, RequestFailure, 
 from kvforge.outputs import RequestOutput
 from kvforge.request_streams import RequestStreams, StreamingFront
 from kvforge.sampling_params import SamplingParams
+from kvforge.watchdog import IDLE_BEAT_S, StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,8 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 class AsyncLLMEngine(StreamingFront):
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, step_timeout_s: float | None = None):
+        """``step_timeout_s``: mark the engine dead when a step (or the idle loop's beat) takes longer."""
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -43,10 +46,12 @@ class AsyncLLMEngine(StreamingFront):
         self._stop = False
         self.error: BaseException | None = None
         self.dead = threading.Event()  # set once the engine loop has failed
+        self._dying = threading.Lock()
+        self.watchdog = StepWatchdog(step_timeout_s, self._fail) if step_timeout_s else None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, step_timeout_s: float | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config), step_timeout_s)
 
     # -- facts the front end needs -----------------------------------------------------------------
     @property
@@ -88,12 +93,16 @@ class AsyncLLMEngine(StreamingFront):
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
             self._thread.start()
+            if self.watchdog is not None:
+                self.watchdog.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stop = True
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self._thread is not None:  # a stalled loop may never return: wait for it only briefly
+            self._thread.join(1.0 if self.dead.is_set() else timeout)
         self.engine.shutdown()  # its ranks (worker processes, actors)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -147,6 +156,21 @@ class AsyncLLMEngine(StreamingFront):
         """The loop failed: every open stream raises ``EngineDeadError``."""
         self._emit([(rid, EngineDeadError(f"the engine has stopped: {exc!r}")) for rid in self.streams.ids()])
 
+    def _beat(self) -> None:
+        """The loop is alive: it finished a step or an idle wait (``kvforge.engine_core`` tells its front end)."""
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine is dead (its loop raised, or the watchdog saw it stall): once, whoever calls first."""
+        with self._dying:
+            if self.error is not None:
+                return
+            self.error = exc
+            self._stop = True
+        self.dead.set()  # before any stream learns of it: whoever sees the error also sees `dead`
+        self._on_dead(exc)
+
     # -- the engine thread ------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
@@ -181,18 +205,18 @@ class AsyncLLMEngine(StreamingFront):
         try:
             self.engine.bind_thread()
             while not self._stop:
+                self._beat()
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
                     self.engine.check_health()  # a rank that dies while idle ends the engine too
                     self.engine.release_finished()  # aborted while idle: the ranks forget them now
-                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.wait(timeout=IDLE_BEAT_S)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
                 if outputs:
                     self._emit([(out.request_id, out) for out in outputs])
         except BaseException as exc:  # the engine is dead: fail every waiting request
-            logger.exception("engine loop failed")
-            self.error = exc
-            self.dead.set()  # before any stream learns of it: whoever sees the error also sees `dead`
-            self._on_dead(exc)
+            if self.error is None:  # (not after the watchdog gave up on it)
+                logger.exception("engine loop failed")
+            self._fail(exc)

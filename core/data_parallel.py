@@ -26,8 +26,9 @@ HEALTH_PERIOD_S = 1.0
 class ReplicaActor:
     """One engine replica inside a Ray actor (an async actor: many requests stream at once)."""
 
-    def __init__(self, config: EngineConfig):
-        self.engine = AsyncLLMEngine.from_config(config)
+    def __init__(self, config: EngineConfig, step_timeout_s: float | None = None):
+        # a replica's own watchdog marks it dead when it stalls; ``check`` then reports it
+        self.engine = AsyncLLMEngine.from_config(config, step_timeout_s=step_timeout_s)
         self.engine.start()
 
     def info(self) -> dict[str, Any]:
@@ -67,7 +68,7 @@ class ReplicaActor:
 class DataParallelEngine:
     """What the server needs of an engine (``AsyncLLMEngine``'s interface), over ``size`` replicas."""
 
-    def __init__(self, config: EngineConfig, size: int):
+    def __init__(self, config: EngineConfig, size: int, step_timeout_s: float | None = None):
         try:
             import ray
         except ImportError:
@@ -90,7 +91,7 @@ class DataParallelEngine:
                                         device="cuda" if cuda else config.device)
         actor = ray.remote(ReplicaActor).options(num_gpus=per_replica if cuda else 0, num_cpus=0 if cuda else 1,
                                                  max_concurrency=1000)
-        self.replicas = [actor.remote(replica_config) for _ in range(size)]
+        self.replicas = [actor.remote(replica_config, step_timeout_s) for _ in range(size)]
         try:
             infos = ray.get([r.info.remote() for r in self.replicas])
         except Exception as exc:

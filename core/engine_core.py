@@ -17,6 +17,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from kvforge.async_engine import AsyncLLMEngine
@@ -27,6 +28,8 @@ from kvforge.log_format import configure_logging, inherited_format
 
 logger = logging.getLogger("kvforge.engine_core")
 
+#: seconds between the loop's heartbeats to the front end (``kvforge.watchdog``) when it sends nothing else
+BEAT_S = 0.5
 #: the calls the front end may make (EngineProcessClient's own methods of the same names)
 RPC_METHODS = frozenset({"get_stats", "check_structured_outputs", "add_lora", "remove_lora", "list_loras"})
 
@@ -51,6 +54,7 @@ class EngineCore(AsyncLLMEngine):
         self._admit_lock = threading.Lock()
         self._admitting: set[str] = set()  # requests being validated
         self._cancelled: set[str] = set()  # ... and aborted meanwhile
+        self._last_sent = 0.0  # monotonic time of the last message to the front end
 
     # -- AsyncLLMEngine's hand-overs, to the front end ------------------------------------------
     def _emit(self, items: list[tuple[str, Any]]) -> None:
@@ -60,8 +64,15 @@ class EngineCore(AsyncLLMEngine):
     def _on_dead(self, exc: BaseException) -> None:
         self._reply(("dead", f"{type(exc).__name__}: {exc}"))
 
+    def _beat(self) -> None:
+        # the front end's watchdog hears from the loop at least every BEAT_S (outputs count as beats)
+        now = time.monotonic()
+        if now - self._last_sent >= BEAT_S:
+            self._reply(("beat",))
+
     def _reply(self, message: tuple) -> None:
         with self._conn_lock:
+            self._last_sent = time.monotonic()
             try:
                 self.conn.send(message)
             except (BrokenPipeError, ConnectionError, OSError):  # the front end is gone

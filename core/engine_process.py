@@ -9,11 +9,13 @@ the engine loop's time (one GIL per process). The boundary is message-shaped, ov
 
     front end -> core: ("add", id, prompt, params, priority, lora_request), ("abort", id), ("rpc", call, method, args), ("stop",)
     core -> front end: ("ready", facts), ("out", [(id, item), ...]) once per step, ("reply", call, ok, value),
-                       ("dead", message)
+                       ("beat",) when the loop has sent nothing for 0.5 s, ("dead", message)
 
 An ``add`` is answered first with ``ACCEPTED`` or the ``ValueError`` that names the bad field, so a
 bad request is a 400 before any stream starts. If the core process dies, every open stream gets
-``EngineDeadError``, ``dead`` is set (``/health`` answers 503) and the server stops. docs/server.md.
+``EngineDeadError``, ``dead`` is set (``/health`` answers 503) and the server stops. So it does when the
+core goes silent for longer than ``step_timeout_s`` (a step that never ends, a stopped process): every
+message counts as a sign of life (``kvforge.watchdog``), and the process is then killed. docs/server.md.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from kvforge.executor import stop_processes
 from kvforge.outputs import RequestOutput
 from kvforge.request_streams import RequestStreams, StreamingFront
 from kvforge.sampling_params import SamplingParams
+from kvforge.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ STOP_GRACE_S = 10.0
 class EngineProcessClient(StreamingFront):
     """What the server needs of an engine, with the engine in a child process."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 3600.0):
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 3600.0, step_timeout_s: float | None = None):
         from kvforge.model_loader import load_model_config, resolve_model_source
         from kvforge.tokenizer_source import tokenizer_for
 
@@ -62,6 +65,8 @@ class EngineProcessClient(StreamingFront):
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._closing = False
+        self._dying = threading.Lock()
+        self.watchdog = StepWatchdog(step_timeout_s, self._die, "engine core process") if step_timeout_s else None
         key = os.urandom(16)
         self._dir = tempfile.mkdtemp(prefix="kvforge-core-")
         address = os.path.join(self._dir, "core.sock")
@@ -171,14 +176,19 @@ class EngineProcessClient(StreamingFront):
         if not self._running:
             self._running = True
             self._reader.start()
+            if self.watchdog is not None:
+                self.watchdog.start()
 
     def shutdown(self, timeout: float = STOP_GRACE_S) -> None:
         self._closing = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
         try:
             self._send(("stop",))
         except (OSError, EngineDeadError):
             pass
-        self._stop_process(timeout)
+        stalled = self.watchdog is not None and self.error is not None
+        self._stop_process(0.0 if stalled else timeout)  # a stalled core will not stop by itself
         try:
             self.conn.close()
         except (OSError, AttributeError):
@@ -226,10 +236,14 @@ class EngineProcessClient(StreamingFront):
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
-                if self._closing:
+                if self._closing or self.error is not None:
                     return
                 error = RuntimeError(f"the engine core process died ({self._how()})")
                 break
+            if self.error is not None:  # the watchdog gave up on it: what still comes is too late
+                return
+            if self.watchdog is not None:
+                self.watchdog.beat()
             kind = msg[0]
             if kind == "out":
                 self.streams.post_many(msg[1])
@@ -241,10 +255,19 @@ class EngineProcessClient(StreamingFront):
                     future.set_exception(msg[3])
             elif kind == "dead":
                 error = RuntimeError(msg[1])
+        self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        """The core is dead (it said so, its connection broke, or the watchdog gave up on it): fail every
+        stream and call, once."""
+        with self._dying:
+            if self.error is not None:
+                return
+            self.error = error
         logger.error("engine core process (pid %d): %s", self.proc.pid, error)
-        self.error = error
         self.dead.set()  # before any stream learns of it: whoever sees the error also sees `dead`
         for future in list(self._calls.values()):
-            future.set_exception(EngineDeadError(f"the engine has stopped: {error!r}"))
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine has stopped: {error!r}"))
         self.streams.post_many([(rid, EngineDeadError(f"the engine has stopped: {error!r}"))
                                 for rid in self.streams.ids()])
