@@ -1,14 +1,16 @@
 """The FastAPI application: routes, auth, errors and the engines' lifetime.
 
 One engine per served model; a request's ``model`` picks it through the app's ``ServedModels``
-(``server/models.py``). If an engine dies, every in-flight request on it has already got its error;
-``/health`` answers 503 for ``DEAD_LINGER_S`` (so probes see it), then ``on_engine_dead`` is called
-(``kvforge serve`` stops uvicorn, which drains and exits non-zero so that an orchestrator restarts it).
+(``server/models.py``). If an engine dies (or stalls: its front end's step watchdog declares it dead),
+every in-flight request on it has already got its error; ``/health`` answers 503 for ``DEAD_LINGER_S``
+(so probes see it), then ``on_engine_dead`` is called: ``kvforge serve`` drains as on SIGTERM, so the
+requests of the other models finish normally, then exits non-zero so that an orchestrator restarts it.
 
 ``/health`` is liveness (200 while the engines run, draining included); ``/ready`` is readiness (200
 once the lifespan has started every engine, until the drain: ``server/readiness.py``). The middleware,
 outermost first: request ids and the request line (around Starlette's error middleware too), CORS
-(only with ``cors``), admission (503 while starting or draining), body limits, the API key.
+(only with ``cors``), admission (503 while starting or draining), the API key (before any body is
+read: a client without it costs a request head), body limits.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import kvforge
 from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.errors import RequestFailedError
 from kvforge.server.auth import ApiKeyAuth
-from kvforge.server.body_limits import BodyLimits
+from kvforge.server.body_limits import DEFAULT_BODY_TIMEOUT_S, BodyLimits
 from kvforge.server.disconnect import until_disconnect
 from kvforge.server.errors import (
     APIError,
@@ -45,7 +47,7 @@ from kvforge.server.openai_api import OpenAIServing
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvforge.server.readiness import Admission, Readiness
 from kvforge.server.request_id import REQUEST_ID_HEADER, RequestContext
-from kvforge.server.response_store import ResponseStore
+from kvforge.server.response_store import MAX_STORED_BYTES, ResponseStore
 from kvforge.server.responses_api import add_responses_routes
 from kvforge.server.tools import ToolOptions
 
@@ -84,7 +86,8 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
                trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
                allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None,
-               cors: CorsOptions | None = None) -> FastAPI:
+               cors: CorsOptions | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               responses_store_bytes: int = MAX_STORED_BYTES) -> FastAPI:
     """Build the app around started-or-not engines; the app's lifespan starts and stops them.
 
     One model: ``create_app(engine, ["name", "alias"])``. Several: ``create_app([(engine_a, ["a"]),
@@ -94,6 +97,8 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
     ``allow_runtime_lora_updating``: answer ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
     ``tool_options``: the tool-call and reasoning parsers (docs/tools.md), for every engine.
     ``cors``: answer browsers' cross-origin requests (None: no CORS headers at all).
+    ``body_timeout_s``: how long a request body may take to arrive whole (408 after it).
+    ``responses_store_bytes``: the byte bound of the stored Responses API responses.
     The app's ``state.readiness`` is the :class:`Readiness` that ``/ready`` reports and a drain uses.
     """
     if served_names is not None:
@@ -154,7 +159,7 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
     readiness = app.state.readiness = Readiness()
     adapters = app.state.lora_adapters = LoRAAdapters(models)
     add_lora_routes(app, adapters, allow_runtime_lora_updating)
-    add_responses_routes(app, models, ResponseStore())
+    add_responses_routes(app, models, ResponseStore(max_bytes=responses_store_bytes))
     app.add_exception_handler(APIError, handle_api_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(HTTPException, handle_http_error)
@@ -240,10 +245,10 @@ def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: li
 
     if hook is not None:
         hook.server_app_created(app=app)
-    if api_key:
+    # a body is vetted before routing and validation spend anything on it ...
+    app.add_middleware(BodyLimits, max_body_bytes=max_request_body_bytes, body_timeout_s=body_timeout_s)
+    if api_key:  # ... and only once the key is checked: a client without it gets no body read (vLLM's order)
         app.add_middleware(ApiKeyAuth, api_key=api_key)
-    # a body is vetted before auth, routing and validation spend anything on it
-    app.add_middleware(BodyLimits, max_body_bytes=max_request_body_bytes)
     app.add_middleware(Admission, readiness=readiness)  # 503 while starting or draining, before the body is read
     if cors is not None:  # outside admission and auth: preflights carry no key, and 503s need CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),

@@ -26,6 +26,8 @@ class ApiKeyAuth:
             given = value[7:] if value[:7].lower() == b"bearer " else b""
             # constant-time comparison, so the key cannot be found byte by byte from timings
             if not hmac.compare_digest(given, self.key):
+                # NOTE: checked before the body is read (this runs outside BodyLimits): what the client
+                # still sends is dropped unread, for a bounded time (server/connections.py)
                 response = error_response(401, "Incorrect API key provided.", None, code="invalid_api_key")
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)

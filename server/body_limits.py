@@ -4,7 +4,10 @@ A body is refused (OpenAI-shaped error, nothing else spent on it) when it is lar
 ``--max-request-body-bytes`` (413), not UTF-8, not JSON, nested deeper than ``MAX_JSON_DEPTH``, or
 holds ``NaN`` / ``Infinity`` or a lone UTF-16 surrogate (400). Those would otherwise surface as a
 ``{"detail": ...}`` error, a 500 from the tokenizer, or a recursion error deep in validation.
-A large body is parsed in a worker thread, so it never stalls the event loop.
+A large body is parsed in a worker thread, so it never stalls the event loop. A body that takes longer
+than ``--body-timeout`` to arrive whole is a 408 and ends the connection (a slow-body client would
+otherwise hold its buffer and connection for as long as it likes). The rest of a body refused before it
+was read whole is dropped unread (``server/connections.py``). The API key is checked before this runs.
 """
 from __future__ import annotations
 
@@ -80,10 +83,15 @@ def vet_json(body: bytes) -> None:
             stack.append((value, depth + 1, f"{path}.{key}" if path else str(key)))
 
 
+#: default of --body-timeout: seconds a request body may take to arrive whole
+DEFAULT_BODY_TIMEOUT_S = 60.0
+
+
 class BodyLimits:
-    def __init__(self, app: Any, max_body_bytes: int):
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -93,19 +101,16 @@ class BodyLimits:
         if length is not None and length.isdigit() and int(length) > limit:
             return await _reply(send, 413, f"the request body is {int(length)} bytes; the limit is {limit} "
                                            "(--max-request-body-bytes)")
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return await _reply(send, 413, f"the request body is over {limit} bytes "
-                                               "(--max-request-body-bytes)")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                if not await _read_body(receive, chunks, limit):
+                    return  # the client went away
+        except TimeoutError:
+            return await _reply(send, 408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                                           "(--body-timeout)", close=True)
+        except _TooLarge:
+            return await _reply(send, 413, f"the request body is over {limit} bytes (--max-request-body-bytes)")
         body = b"".join(chunks)
         if body:
             try:
@@ -127,5 +132,30 @@ class BodyLimits:
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Any, status: int, message: str, param: str | None = None) -> None:
-    await send_error(send, status, message, param=param, code="request_too_large" if status == 413 else None)
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Any, chunks: list[bytes], limit: int) -> bool:
+    """Append the body's chunks to ``chunks``; False if the client disconnected, ``_TooLarge`` past ``limit``."""
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return True
+
+
+_CODES = {413: "request_too_large", 408: "request_timeout"}
+
+
+async def _reply(send: Any, status: int, message: str, param: str | None = None, close: bool = False) -> None:
+    """The error; ``close``: end the connection with it (a body too slow to wait for)."""
+    await send_error(send, status, message, param=param, code=_CODES.get(status),
+                     headers=[(b"connection", b"close")] if close else [])

@@ -72,7 +72,29 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="split reasoning out of the output into reasoning_content: deepseek_r1, qwen3, or a "
                         "plugin's")
     add_operations_args(p)
+    add_protection_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_protection_args(p: argparse.ArgumentParser) -> None:
+    """Bounds on what a client can hold without the key, and on a stalled engine (docs/reliability.md)."""
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="close a kept-alive connection idle this long after a response (uvicorn's, 5)")
+    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="close a connection that has not sent a whole request head this long after it "
+                        "connected or its last response (10)")
+    p.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                   help="answer 408 and close when a request body has not arrived whole in this time (60)")
+    p.add_argument("--max-unauthenticated-connections", type=int, default=None, metavar="N",
+                   help="connections that have not yet sent a request head (so not shown the API key) kept "
+                        "at once; past it the oldest is closed (a quarter of ulimit -n, at most 1024)")
+    p.add_argument("--max-responses-store-bytes", type=int, default=None, metavar="N",
+                   help="bytes of stored Responses API responses kept in memory (their JSON, each with its whole "
+                        "conversation); the oldest are dropped past it, and a store=true request whose "
+                        "conversation alone is larger is a 400 naming input (256 MiB)")
+    p.add_argument("--engine-step-timeout", type=float, default=None, metavar="SECONDS",
+                   help="an engine step (or, idle, a heartbeat) that takes longer marks the engine dead: "
+                        "streams get an error, /health 503, the server drains and exits 1 (120)")
 
 
 def add_operations_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +159,15 @@ def _cors_options(args: argparse.Namespace) -> Any:
         return None
     return CorsOptions(tuple(args.allowed_origins), tuple(args.allowed_methods or ["*"]),
                        tuple(args.allowed_headers or ["*"]), args.allow_credentials)
+
+
+def _positive(flag: str, value: float | None, default: float) -> float:
+    """``value`` (``default`` when not given); ``ValueError`` naming ``flag`` unless it is > 0."""
+    if value is None:
+        return default
+    if not value > 0:
+        raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+    return value
 
 
 def _root_path(path: str) -> str:
@@ -247,28 +278,31 @@ def _served_names(value: Any, index: int) -> list[str] | None:
     return names
 
 
-def build_engine(config: EngineConfig, data_parallel_size: int, in_process: bool) -> Any:
+def build_engine(config: EngineConfig, data_parallel_size: int, in_process: bool,
+                 step_timeout_s: float | None = None) -> Any:
     """The engine ``serve`` runs for one model: data-parallel replicas, in this process, or (the default)
-    in an engine core process."""
+    in an engine core process. ``step_timeout_s``: its step watchdog (``kvforge.watchdog``)."""
     from kvforge.async_engine import AsyncLLMEngine
 
     if data_parallel_size > 1:
         from kvforge.data_parallel import DataParallelEngine
 
-        return DataParallelEngine(config, data_parallel_size)
+        return DataParallelEngine(config, data_parallel_size, step_timeout_s=step_timeout_s)
     if in_process:
-        return AsyncLLMEngine.from_config(config)
+        return AsyncLLMEngine.from_config(config, step_timeout_s=step_timeout_s)
     from kvforge.engine_process import EngineProcessClient
 
-    return EngineProcessClient(config)
+    return EngineProcessClient(config, step_timeout_s=step_timeout_s)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvforge.log_format import configure_logging
     from kvforge.plugin_manager import get_plugin_manager
     from kvforge.server.app import DEFAULT_MAX_BODY_BYTES
+    from kvforge.server.body_limits import DEFAULT_BODY_TIMEOUT_S
     from kvforge.server.http_server import StartingResponder, bind_sockets, urls
     from kvforge.server.request_id import RequestIdFilter, request_logger
+    from kvforge.server.response_store import MAX_STORED_BYTES
     from kvforge.server.tools import ToolOptions
 
     configure_logging(logging.getLogger().level, args.log_format).addFilter(RequestIdFilter())
@@ -296,6 +330,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {max_body}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    body_timeout = _positive("--body-timeout", args.body_timeout, DEFAULT_BODY_TIMEOUT_S)
+    _positive("--timeout-keep-alive", args.timeout_keep_alive, 0.0)
+    _positive("--engine-step-timeout", args.engine_step_timeout, 0.0)
+    if args.max_responses_store_bytes is not None and args.max_responses_store_bytes < 1:
+        raise ValueError(f"--max-responses-store-bytes must be >= 1, got {args.max_responses_store_bytes}")
     # NOTE: bound before any model loads: a busy port fails now, and until the engines are ready every
     # request gets 503 "starting" (StartingResponder) instead of a refused connection
     sockets = bind_sockets(args.host, args.port)
@@ -306,7 +345,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app_options = dict(api_key=api_key, chat_template=chat_template, hook=get_plugin_manager().hook,
                        trust_request_chat_template=args.trust_request_chat_template, max_request_body_bytes=max_body,
                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                       tool_options=tool_options, cors=cors)
+                       tool_options=tool_options, cors=cors, body_timeout_s=body_timeout,
+                       responses_store_bytes=args.max_responses_store_bytes or MAX_STORED_BYTES)
     try:
         return _serve(args, configs, app_options, root_path, sockets, responder)
     finally:
@@ -322,12 +362,24 @@ def _serve(args: argparse.Namespace, configs: list, app_options: dict[str, Any],
     import uvicorn
 
     from kvforge.server.app import create_app
+    from kvforge.server.connections import (
+        DEFAULT_HEADER_TIMEOUT_S,
+        ConnectionGuard,
+        default_max_unauthenticated,
+        guarded_protocol,
+    )
     from kvforge.server.http_server import CLOSE_GRACE_S, Server
+    from kvforge.watchdog import DEFAULT_STEP_TIMEOUT_S
 
+    guard = ConnectionGuard(_positive("--header-timeout", args.header_timeout, DEFAULT_HEADER_TIMEOUT_S),
+                            default_max_unauthenticated() if args.max_unauthenticated_connections is None
+                            else args.max_unauthenticated_connections)
+    step_timeout = args.engine_step_timeout or DEFAULT_STEP_TIMEOUT_S
     engines: list[tuple[Any, list[str]]] = []
     try:
         for config, names in configs:
-            engines.append((build_engine(config, args.data_parallel_size, args.engine_in_process), names))
+            engines.append((build_engine(config, args.data_parallel_size, args.engine_in_process, step_timeout),
+                            names))
     except BaseException:  # a later model failed to load: stop the engines already built
         for engine, _ in engines:
             engine.shutdown()
@@ -335,15 +387,16 @@ def _serve(args: argparse.Namespace, configs: list, app_options: dict[str, Any],
     served = [name for _, names in engines for name in names]
     server: Any = None
 
-    def stop_serving() -> None:  # the engine died: stop (uvicorn closes the connections) and exit non-zero
-        if server is not None:
-            server.should_exit = True
+    def stop_serving() -> None:  # an engine died: drain as for SIGTERM (the other models' requests
+        if server is not None:  # finish), then stop and exit non-zero
+            server.drain_and_exit()
 
     app = create_app(engines, on_engine_dead=stop_serving, **app_options)
     readiness = app.state.readiness
     readiness.on_ready.append(responder.stop)  # uvicorn takes the sockets over right after
     config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, root_path=root_path,
-                            timeout_graceful_shutdown=CLOSE_GRACE_S)
+                            timeout_graceful_shutdown=CLOSE_GRACE_S, http=guarded_protocol(guard),
+                            timeout_keep_alive=args.timeout_keep_alive)
     server = Server(config, readiness, args.shutdown_timeout, served)
     # Server drains on SIGTERM; a third signal goes to uvicorn, which re-raises it once it has stopped,
     # under the handler that was there before: make that one a no-op, so that even a forced shutdown

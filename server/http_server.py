@@ -11,6 +11,9 @@ serve, and drain on SIGTERM.
 4. On SIGTERM (or Ctrl-C) :class:`Server` drains (``Readiness.drain``: new requests get 503, those in
    flight get ``--shutdown-timeout`` seconds), then lets uvicorn close the connections and the lifespan
    stop the engines. A second signal ends the drain at once; a third is uvicorn's (a forced exit).
+   An engine that dies starts the same drain (:meth:`Server.drain_and_exit`).
+5. Connections are uvicorn's h11 protocol under a ``ConnectionGuard`` (``server/connections.py``): a
+   deadline for each request head and a cap on connections that have sent none.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Any
 
 import uvicorn
 
+from kvforge.server.connections import AcceptErrorLog
 from kvforge.server.errors import error_body
 from kvforge.server.readiness import Readiness
 from kvforge.server.request_id import REQUEST_ID_HEADER, valid_request_id
@@ -135,7 +139,14 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.readiness, self.shutdown_timeout, self.served = readiness, shutdown_timeout, served
         self._signalled = 0  # SIGTERM / SIGINT received
+        self._drain_asked = False  # an engine died: drain as for SIGTERM
         self._drain: Any = None
+
+    def drain_and_exit(self) -> None:
+        """Drain (new requests 503, those in flight get ``--shutdown-timeout``), then stop; for an engine
+        that died, so that the other models' requests finish instead of being cut by the close grace.
+        Thread-safe: it only sets a flag that :meth:`on_tick` acts on."""
+        self._drain_asked = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # NOTE: a signal handler: it only counts; on_tick (on the event loop, every 0.1 s) acts on it
@@ -144,7 +155,7 @@ class Server(uvicorn.Server):
             super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._signalled and self._drain is None:
+        if (self._signalled or self._drain_asked) and self._drain is None:
             self._drain = asyncio.ensure_future(self.readiness.drain(self.shutdown_timeout))
         if self._signalled > 1:
             self.readiness.hurry()
@@ -153,6 +164,8 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def startup(self, sockets: Any = None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(AcceptErrorLog(loop.get_exception_handler()))
         await super().startup(sockets)
         if self.started:
             for url in urls([s for server in self.servers for s in server.sockets]):

@@ -1,6 +1,7 @@
 """A real `kvforge serve` subprocess on a free loopback port, shared by the server tests."""
 import collections
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -29,13 +30,16 @@ class ServerProcess:
     """``kvforge serve MODEL --device cpu ... *args`` on a free port; ``wait=False`` returns at once
     (call :meth:`wait_healthy`). ``log`` holds the tail of its output (stdout and stderr), read as it comes."""
 
-    def __init__(self, *args: str, env: dict | None = None, model: str = "dummy:tiny", wait: bool = True):
+    def __init__(self, *args: str, env: dict | None = None, model: str = "dummy:tiny", wait: bool = True,
+                 nofile: int | None = None):
+        """``nofile``: the server's descriptor limit (``ulimit -n``), when it must be lower than ours."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvforge.cli", "serve", model, "--device", "cpu", "--port", str(self.port),
                "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "512", *args]
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=limit)
         # read the server's output in a thread, or a full pipe would block its logging; the tail is kept for reports
         self.log: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self._reader = threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True)

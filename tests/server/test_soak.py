@@ -4,7 +4,11 @@ Each well-behaved client loops over streamed completions and chats (official ``o
 retries) that must return exactly the tokens asked for (``ignore_eos``, usage and ``finish_reason``
 checked). The attacker replays issue 11's attack requests in a loop over raw HTTP; each must get its
 documented answer (a 400 naming the field, a 401, or a 200 for the vanishing temperature), never a 5xx.
-Afterwards the engine holds nothing: no KV block, nothing running or waiting.
+Two more attackers (issue 34) hold connections without the key: one keeps ``SILENT`` connections open
+that never send a request head (each must be closed by the server's head deadline), one sends 15 MiB
+bodies without the key (each must get its 401 before the body is read). The server's memory must stay
+within ``RSS_GROWTH_MIB`` of where it started. Afterwards the engine holds nothing: no KV block, nothing
+running or waiting.
 """
 from __future__ import annotations
 
@@ -77,11 +81,86 @@ VANISHING_TEMPERATURE = {"prompt": "The capital of France is", "max_tokens": 4, 
                          "temperature": 1e-300}
 
 
+#: silent connections the attacker keeps open (below the cap of unauthenticated connections, so that
+#: the cap never closes a well-behaved client's idle connection in this test)
+SILENT = 200
+HEADER_TIMEOUT_S = 3.0
+#: how much the server process may grow over the soak
+RSS_GROWTH_MIB = 256
+UNAUTHENTICATED_BODY = 15 << 20
+
+
 @pytest.fixture(scope="module")
 def soak_server():
-    server = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "64", "--served-model-name", "tiny")
+    server = ServerProcess("--api-key", API_KEY, "--max-num-seqs", "64", "--served-model-name", "tiny",
+                           "--header-timeout", str(HEADER_TIMEOUT_S))
     yield server
     server.stop()
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+async def silent_connections(port: int, deadline: float, wrong: list) -> int:
+    """Keep ``SILENT`` connections open that never send anything; each must be closed by the server
+    within the head deadline. Returns how many were closed so."""
+    closed = 0
+
+    async def one() -> None:
+        nonlocal closed
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        try:
+            data = await asyncio.wait_for(reader.read(1), HEADER_TIMEOUT_S + 5)
+            if data:
+                wrong.append(f"silent connection: got {data!r}")
+            elif time.monotonic() - t0 < HEADER_TIMEOUT_S - 0.5:
+                wrong.append(f"silent connection closed after {time.monotonic() - t0:.1f} s")
+            else:
+                closed += 1
+        except (asyncio.TimeoutError, TimeoutError):
+            wrong.append(f"silent connection still open after {HEADER_TIMEOUT_S + 5} s")
+        except ConnectionResetError:
+            closed += 1
+        finally:
+            writer.close()
+
+    async def keep_one(i: int) -> None:
+        await asyncio.sleep(i * HEADER_TIMEOUT_S / SILENT)  # spread, so some always wait
+        while time.monotonic() < deadline:
+            await one()
+
+    await asyncio.gather(*(keep_one(i) for i in range(SILENT)))
+    return closed
+
+
+async def unauthenticated_bodies(port: int, deadline: float, wrong: list) -> int:
+    """Declare a 15 MiB body without the key and start sending it: the 401 must come at once."""
+    answered = 0
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {UNAUTHENTICATED_BODY}\r\n\r\n".encode())
+    while time.monotonic() < deadline:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(head + b"x" * (1 << 20))
+            t0 = time.monotonic()
+            answer = await asyncio.wait_for(reader.read(64), 10)
+            if not answer.startswith(b"HTTP/1.1 401"):
+                wrong.append(f"15 MiB body without the key: {answer!r}")
+            elif time.monotonic() - t0 > 2:
+                wrong.append(f"15 MiB body without the key: 401 after {time.monotonic() - t0:.1f} s")
+            else:
+                answered += 1
+        except (asyncio.TimeoutError, TimeoutError):
+            wrong.append("15 MiB body without the key: no answer in 10 s")
+        except ConnectionError:
+            pass  # closed while the body was still being written: the 401 may be lost with it
+        finally:
+            writer.close()
+        await asyncio.sleep(0.05)
+    return answered
 
 
 async def well_behaved(client: openai.AsyncOpenAI, i: int, deadline: float, done: list, failed: list) -> None:
@@ -166,23 +245,37 @@ def test_soak_well_behaved_clients_complete_while_one_attacks(soak_server):
     failed: list[str] = []
     wrong: list[str] = []
 
-    async def main() -> int:
+    rss = [rss_mib(soak_server.proc.pid)]
+
+    async def sample_rss(deadline: float) -> None:
+        while time.monotonic() < deadline:
+            rss.append(rss_mib(soak_server.proc.pid))
+            await asyncio.sleep(0.5)
+
+    async def main() -> tuple[int, int, int]:
         client = openai.AsyncOpenAI(base_url=f"{soak_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
         deadline = time.monotonic() + SOAK_S
         try:
             results = await asyncio.gather(attacker(soak_server, deadline, wrong),
+                                           silent_connections(soak_server.port, deadline, wrong),
+                                           unauthenticated_bodies(soak_server.port, deadline, wrong),
+                                           sample_rss(deadline),
                                            *(well_behaved(client, i, deadline, done, failed) for i in range(CLIENTS)))
         finally:
             await client.close()
-        return results[0]
+        return results[0], results[1], results[2]
 
-    rounds = asyncio.run(main())
+    rounds, silent_closed, refused_bodies = asyncio.run(main())
     log = "".join(list(soak_server.log)[-60:])
-    print(f"\nsoak {SOAK_S:.0f} s: {len(done)} well-behaved streams ({sum(done)} tokens), {rounds} attack rounds")
+    print(f"\nsoak {SOAK_S:.0f} s: {len(done)} well-behaved streams ({sum(done)} tokens), {rounds} attack rounds, "
+          f"{silent_closed} silent connections closed, {refused_bodies} unauthenticated bodies refused, "
+          f"server RSS {rss[0]:.0f} -> {max(rss):.0f} MiB")
     assert not failed, "\n".join(failed[:20]) + f"\n\nserver log:\n{log}"
     assert not wrong, "\n".join(wrong[:20]) + f"\n\nserver log:\n{log}"
     assert rounds >= 1 and all(a.answers for a in ATTACKS)
     assert len(done) >= CLIENTS  # every client finished at least one stream
+    assert silent_closed >= SILENT and refused_bodies >= 10
+    assert max(rss) - rss[0] < RSS_GROWTH_MIB, (rss[0], max(rss))
 
     held = wait_idle(soak_server)  # the engine holds nothing once the last request is done
     assert not any(held.values()), held
