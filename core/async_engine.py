@@ -156,6 +156,9 @@ class AsyncLLMEngine(StreamingFront):
         """The loop failed: every open stream raises ``EngineDeadError``."""
         self._emit([(rid, EngineDeadError(f"the engine has stopped: {exc!r}")) for rid in self.streams.ids()])
 
+    def _on_abort(self, request_id: str) -> None:
+        """A request was aborted (on the engine thread): none of its outputs come after this."""
+
     def _beat(self) -> None:
         """The loop is alive: it finished a step or an idle wait (``kvforge.engine_core`` tells its front end)."""
         if self.watchdog is not None:
@@ -192,6 +195,7 @@ class AsyncLLMEngine(StreamingFront):
                     self._emit([(parent.request_id, RequestFailedError(failure))])
             elif message[0] == "abort":
                 self.engine.abort_request(message[1])
+                self._on_abort(message[1])
             elif message[0] == "call":
                 _, fn, args, future = message
                 try:

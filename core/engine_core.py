@@ -2,10 +2,9 @@
 ``python -m kvforge.engine_core ADDRESS`` (the key in ``KVFORGE_CORE_AUTHKEY``).
 
 It connects back to the front end, receives the ``EngineConfig``, builds the engine and answers
-``("ready", facts)`` (or ``("error", exc)``), then serves the front end's messages until told to stop
-or the front end is gone. Requests are validated and tokenized on a small thread pool, never on the
-engine loop; each step's outputs cross in one message. The message kinds are listed in
-``kvforge.engine_process``.
+``Ready`` (or ``StartFailed``), then serves the front end's messages until told to stop or the front
+end is gone. Requests are validated and tokenized on a small thread pool, never on the engine loop;
+each step's outputs cross in one message. The messages are ``kvforge.engine_messages``'s types.
 """
 from __future__ import annotations
 
@@ -23,15 +22,28 @@ from typing import Any
 from kvforge.async_engine import AsyncLLMEngine
 from kvforge.config import EngineConfig
 from kvforge.engine import LLMEngine
-from kvforge.engine_process import ACCEPTED
+from kvforge.engine_messages import (
+    ENGINE_CALLS,
+    AbortRequest,
+    AddRequest,
+    Admitted,
+    Beat,
+    Call,
+    CallReply,
+    Dead,
+    PromptSent,
+    Ready,
+    Refused,
+    StartFailed,
+    StepOutputs,
+    Stop,
+)
 from kvforge.log_format import configure_logging, inherited_format
 
 logger = logging.getLogger("kvforge.engine_core")
 
 #: seconds between the loop's heartbeats to the front end (``kvforge.watchdog``) when it sends nothing else
 BEAT_S = 0.5
-#: the calls the front end may make (EngineProcessClient's own methods of the same names)
-RPC_METHODS = frozenset({"get_stats", "check_structured_outputs", "add_lora", "remove_lora", "list_loras"})
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -55,22 +67,31 @@ class EngineCore(AsyncLLMEngine):
         self._admitting: set[str] = set()  # requests being validated
         self._cancelled: set[str] = set()  # ... and aborted meanwhile
         self._last_sent = 0.0  # monotonic time of the last message to the front end
+        self._prompts = PromptSent()  # whose prompt the front end has (engine loop thread only)
 
     # -- AsyncLLMEngine's hand-overs, to the front end ------------------------------------------
     def _emit(self, items: list[tuple[str, Any]]) -> None:
-        self._reply(("out", [(rid, portable(item) if isinstance(item, BaseException) else item)
-                             for rid, item in items]))
+        deltas, refused = [], []
+        for rid, item in items:
+            if isinstance(item, BaseException):
+                refused.append(Refused(rid, portable(item)))
+            else:
+                deltas.append(self._prompts.delta(item))
+        self._reply(StepOutputs(deltas, refused))
+
+    def _on_abort(self, request_id: str) -> None:
+        self._prompts.forget(request_id)
 
     def _on_dead(self, exc: BaseException) -> None:
-        self._reply(("dead", f"{type(exc).__name__}: {exc}"))
+        self._reply(Dead(f"{type(exc).__name__}: {exc}"))
 
     def _beat(self) -> None:
         # the front end's watchdog hears from the loop at least every BEAT_S (outputs count as beats)
         now = time.monotonic()
         if now - self._last_sent >= BEAT_S:
-            self._reply(("beat",))
+            self._reply(Beat())
 
-    def _reply(self, message: tuple) -> None:
+    def _reply(self, message: object) -> None:
         with self._conn_lock:
             self._last_sent = time.monotonic()
             try:
@@ -80,58 +101,60 @@ class EngineCore(AsyncLLMEngine):
 
     # -- the front end's messages ---------------------------------------------------------------
     def serve(self) -> int:
-        self._reply(("ready", {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}))
+        self._reply(Ready(self.max_model_len, self.vocab_size))
         self.start()
         while True:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):  # the front end is gone
                 break
-            kind = msg[0]
-            if kind == "add":
+            if isinstance(msg, AddRequest):
                 with self._admit_lock:
-                    self._admitting.add(msg[1])
-                self._pool.submit(self._admit, *msg[1:])
-            elif kind == "abort":
+                    self._admitting.add(msg.request_id)
+                self._pool.submit(self._admit, msg)
+            elif isinstance(msg, AbortRequest):
                 with self._admit_lock:
-                    if msg[1] in self._admitting:
-                        self._cancelled.add(msg[1])
-                self.abort(msg[1])
-            elif kind == "rpc":
-                self._pool.submit(self._rpc, *msg[1:])
-            elif kind == "stop":
+                    if msg.request_id in self._admitting:
+                        self._cancelled.add(msg.request_id)
+                self.abort(msg.request_id)
+            elif isinstance(msg, Call):
+                self._pool.submit(self._call, msg)
+            elif isinstance(msg, Stop):
                 break
+            else:
+                logger.error("unknown message from the front end, ignored: %r", type(msg).__name__)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.shutdown()
         return 0 if self.error is None else 1
 
-    def _admit(self, request_id: str, prompt: Any, params: Any, priority: int, lora_request: Any = None) -> None:
+    def _admit(self, msg: AddRequest) -> None:
         """Validate and tokenize a request (off the engine loop), then queue it; the front end gets
-        ``ACCEPTED`` first, or the error (a ``ValueError`` names the field)."""
+        ``Admitted`` first, or ``Refused`` with the error (a ``ValueError`` names the field)."""
+        request_id = msg.request_id
         try:
-            parent, children = self.engine.process_inputs(request_id, prompt, params, priority=priority,
-                                                          stream_deltas=True, lora_request=lora_request)
+            parent, children = self.engine.process_inputs(request_id, msg.prompt, msg.params, priority=msg.priority,
+                                                          stream_deltas=True, lora_request=msg.lora_request)
         except Exception as exc:
             with self._admit_lock:
                 self._admitting.discard(request_id)
                 self._cancelled.discard(request_id)
-            self._emit([(request_id, exc)])
+            self._reply(Refused(request_id, portable(exc)))
             return
         with self._admit_lock:
             self._admitting.discard(request_id)
             if request_id in self._cancelled:  # aborted while it was validated
                 self._cancelled.discard(request_id)
                 return
-            self._emit([(request_id, ACCEPTED)])
+            self._reply(Admitted(request_id))
             self._send(("add", parent, children))
 
-    def _rpc(self, call: int, method: str, args: tuple) -> None:
+    def _call(self, msg: Call) -> None:
         try:
-            if method not in RPC_METHODS:
-                raise ValueError(f"unknown engine call {method!r}")
-            self._reply(("reply", call, True, getattr(self, method)(*args)))
+            if not isinstance(msg.call, ENGINE_CALLS):
+                raise ValueError(f"unknown engine call {type(msg.call).__name__}")
+            self._reply(CallReply(msg.call_id, True, msg.call.apply(self)))
         except Exception as exc:
-            self._reply(("reply", call, False, portable(exc)))
+            self._reply(CallReply(msg.call_id, False, portable(exc)))
 
 
 def main(argv: list[str]) -> int:
@@ -146,7 +169,7 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:
         logger.exception("the engine failed to start")
         try:
-            conn.send(("error", portable(exc)))
+            conn.send(StartFailed(portable(exc)))
         except OSError:
             pass
         return 1

@@ -6,16 +6,15 @@ the server's process instead). The server's process keeps HTTP, the chat templat
 the ``LLMEngine`` (its ranks too), validates and tokenizes requests, schedules, runs the model and
 detokenizes. They share no interpreter, so streaming thousands of chunks a second no longer takes
 the engine loop's time (one GIL per process). The boundary is message-shaped, over a Unix socket:
+the typed messages of ``kvforge.engine_messages``. A step's outputs cross as ``OutputDelta``s that
+carry a request's prompt only once (``PromptSent`` / ``PromptCache``).
 
-    front end -> core: ("add", id, prompt, params, priority, lora_request), ("abort", id), ("rpc", call, method, args), ("stop",)
-    core -> front end: ("ready", facts), ("out", [(id, item), ...]) once per step, ("reply", call, ok, value),
-                       ("beat",) when the loop has sent nothing for 0.5 s, ("dead", message)
-
-An ``add`` is answered first with ``ACCEPTED`` or the ``ValueError`` that names the bad field, so a
-bad request is a 400 before any stream starts. If the core process dies, every open stream gets
-``EngineDeadError``, ``dead`` is set (``/health`` answers 503) and the server stops. So it does when the
-core goes silent for longer than ``step_timeout_s`` (a step that never ends, a stopped process): every
-message counts as a sign of life (``kvforge.watchdog``), and the process is then killed. docs/server.md.
+An ``AddRequest`` is answered first with ``Admitted`` or ``Refused`` (the ``ValueError`` that names
+the bad field), so a bad request is a 400 before any stream starts. If the core process dies, every
+open stream gets ``EngineDeadError``, ``dead`` is set (``/health`` answers 503) and the server stops.
+So it does when the core goes silent for longer than ``step_timeout_s`` (a step that never ends, a
+stopped process): every message counts as a sign of life (``kvforge.watchdog``), and the process is
+then killed. docs/server.md.
 """
 from __future__ import annotations
 
@@ -33,17 +32,38 @@ import time
 from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
+from kvforge.engine_messages import (
+    AbortRequest,
+    AddLora,
+    AddRequest,
+    Admitted,
+    Call,
+    CallReply,
+    CheckStructuredOutputs,
+    Dead,
+    EngineCall,
+    GetStats,
+    ListLoras,
+    PromptCache,
+    Ready,
+    Refused,
+    RemoveLora,
+    StartFailed,
+    StepOutputs,
+    Stop,
+)
 from kvforge.errors import EngineDeadError
 from kvforge.executor import stop_processes
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.request_streams import RequestStreams, StreamingFront
-from kvforge.sampling_params import SamplingParams
+from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
-#: the first answer to an "add": the request is queued
-ACCEPTED = "accepted"
+#: the first item of an admitted request's stream (``Admitted``): outputs follow
+_ADMITTED = object()
 #: seconds an engine call (stats, a grammar check) may take before it fails
 RPC_TIMEOUT_S = 60.0
 #: seconds the core process gets to stop by itself before it is terminated, then killed
@@ -86,8 +106,9 @@ class EngineProcessClient(StreamingFront):
             self._stop_process()
             raise
         listener.close()
-        self.max_model_len: int = facts["max_model_len"]
-        self.vocab_size: int = facts["vocab_size"]
+        self.max_model_len: int = facts.max_model_len
+        self.vocab_size: int = facts.vocab_size
+        self._prompts = PromptCache()  # the reader thread's
         self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._read, name="kvforge-core-reader", daemon=True)
         self._running = False
@@ -115,7 +136,7 @@ class EngineProcessClient(StreamingFront):
             raise RuntimeError(f"accepting the engine core process failed: {accepted['error']!r}")
         return accepted["conn"]
 
-    def _first_message(self, timeout_s: float) -> dict[str, Any]:
+    def _first_message(self, timeout_s: float) -> Ready:
         """Wait for "ready" (the engine is built) or the error that stopped it, re-raised here."""
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.5):
@@ -127,9 +148,11 @@ class EngineProcessClient(StreamingFront):
             msg = self.conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(f"the engine core process exited ({self._how()}) while starting") from None
-        if msg[0] == "error":
-            raise msg[1]
-        return msg[1]
+        if isinstance(msg, StartFailed):
+            raise msg.error
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"the engine core process sent {type(msg).__name__} before it was ready")
+        return msg
 
     def _how(self) -> str:
         try:
@@ -143,33 +166,33 @@ class EngineProcessClient(StreamingFront):
     def is_running(self) -> bool:
         return self._running and self.error is None
 
-    def check_structured_outputs(self, so: Any) -> None:
+    def check_structured_outputs(self, so: StructuredOutputsParams) -> None:
         """Compile a constraint in the engine (cached there); ``ValueError`` if it is invalid."""
-        self._call("check_structured_outputs", so)
+        self._call(CheckStructuredOutputs(so))
 
     def get_stats(self) -> dict[str, Any]:
-        return self._call("get_stats")
+        return self._call(GetStats())
 
-    def add_lora(self, lora_request: Any) -> bool:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter in the engine (blocking); ``ValueError`` if it is bad."""
-        return self._call("add_lora", lora_request)
+        return self._call(AddLora(lora_request))
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return self._call("remove_lora", lora_int_id)
+        return self._call(RemoveLora(lora_int_id))
 
-    def list_loras(self) -> list:
-        return self._call("list_loras")
+    def list_loras(self) -> list[LoRARequest]:
+        return self._call(ListLoras())
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, call: EngineCall) -> Any:
         self._check_alive()
-        call = next(self._call_ids)
+        call_id = next(self._call_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls[call] = future
+        self._calls[call_id] = future
         try:
-            self._send(("rpc", call, method, args))
+            self._send(Call(call_id, call))
             return future.result(timeout=RPC_TIMEOUT_S)
         finally:
-            self._calls.pop(call, None)
+            self._calls.pop(call_id, None)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -184,7 +207,7 @@ class EngineProcessClient(StreamingFront):
         if self.watchdog is not None:
             self.watchdog.stop()
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except (OSError, EngineDeadError):
             pass
         stalled = self.watchdog is not None and self.error is not None
@@ -206,7 +229,7 @@ class EngineProcessClient(StreamingFront):
         early aborts the request."""
         q = self.streams.open(request_id, self._check_alive)
         try:
-            self._send(("add", request_id, prompt, params, priority, lora_request))
+            self._send(AddRequest(request_id, prompt, params, priority, lora_request))
             first = await q.get()
         except BaseException:  # the client went away (cancelled), or the engine is gone
             self.abort(request_id)
@@ -214,15 +237,17 @@ class EngineProcessClient(StreamingFront):
         if isinstance(first, BaseException):
             self.streams.close(request_id)
             raise first
+        assert first is _ADMITTED, first  # NOTE: the core answers every AddRequest first
         return self.streams.stream(request_id, q, self._abort_in_engine)
 
     def _abort_in_engine(self, request_id: str) -> None:
+        self._prompts.forget(request_id)
         try:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
         except (OSError, EngineDeadError):  # gone: nothing left to abort
             pass
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: object) -> None:
         with self._send_lock:
             try:
                 self.conn.send(message)
@@ -244,17 +269,25 @@ class EngineProcessClient(StreamingFront):
                 return
             if self.watchdog is not None:
                 self.watchdog.beat()
-            kind = msg[0]
-            if kind == "out":
-                self.streams.post_many(msg[1])
-            elif kind == "reply":
-                future = self._calls.get(msg[1])
-                if future is not None and msg[2]:
-                    future.set_result(msg[3])
+            if isinstance(msg, StepOutputs):
+                # NOTE: a delta of a request whose stream is closed (aborted meanwhile) is dropped here,
+                # so that its prompt is not kept for outputs that will never be asked for
+                items: list[tuple[str, Any]] = [(d.request_id, self._prompts.output(d)) for d in msg.deltas
+                                                if self.streams.is_open(d.request_id)]
+                items += [(r.request_id, r.error) for r in msg.refused]
+                self.streams.post_many(items)
+            elif isinstance(msg, Admitted):
+                self.streams.post(msg.request_id, _ADMITTED)
+            elif isinstance(msg, Refused):
+                self.streams.post(msg.request_id, msg.error)
+            elif isinstance(msg, CallReply):
+                future = self._calls.get(msg.call_id)
+                if future is not None and msg.ok:
+                    future.set_result(msg.value)
                 elif future is not None:
-                    future.set_exception(msg[3])
-            elif kind == "dead":
-                error = RuntimeError(msg[1])
+                    future.set_exception(msg.value)
+            elif isinstance(msg, Dead):
+                error = RuntimeError(msg.message)
         self._die(error)
 
     def _die(self, error: BaseException) -> None:

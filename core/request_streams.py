@@ -35,6 +35,9 @@ class RequestStreams:
         with self._lock:
             self._queues.pop(request_id, None)
 
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._queues  # a dict lookup: atomic, no lock needed
+
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._queues)

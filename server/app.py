@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 import kvforge
-from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
-from kvforge.errors import RequestFailedError
+from kvforge.engine_client import EngineClient
+from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.server.auth import ApiKeyAuth
 from kvforge.server.body_limits import DEFAULT_BODY_TIMEOUT_S, BodyLimits
 from kvforge.server.disconnect import until_disconnect
@@ -60,7 +60,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 #: an engine and the names it is served under (the first is its ``model_name`` in the metrics)
-EngineNames = tuple[AsyncLLMEngine, list[str]]
+EngineNames = tuple[EngineClient, list[str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class _App(FastAPI):
         return RequestContext(super().build_middleware_stack())
 
 
-def create_app(engines: AsyncLLMEngine | Sequence[EngineNames], served_names: list[str] | None = None, *,
+def create_app(engines: EngineClient | Sequence[EngineNames], served_names: list[str] | None = None, *,
                api_key: str | None = None, chat_template: str | None = None, hook: Any = None,
                trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),

@@ -29,6 +29,7 @@ from kvforge.log_format import LOG_FORMATS
 
 if TYPE_CHECKING:
     from kvforge.config import EngineConfig
+    from kvforge.engine_client import EngineClient
 
 logger = logging.getLogger("kvforge.server")
 
@@ -279,7 +280,7 @@ def _served_names(value: Any, index: int) -> list[str] | None:
 
 
 def build_engine(config: EngineConfig, data_parallel_size: int, in_process: bool,
-                 step_timeout_s: float | None = None) -> Any:
+                 step_timeout_s: float | None = None) -> EngineClient:
     """The engine ``serve`` runs for one model: data-parallel replicas, in this process, or (the default)
     in an engine core process. ``step_timeout_s``: its step watchdog (``kvforge.watchdog``)."""
     from kvforge.async_engine import AsyncLLMEngine
@@ -375,7 +376,7 @@ def _serve(args: argparse.Namespace, configs: list, app_options: dict[str, Any],
                             default_max_unauthenticated() if args.max_unauthenticated_connections is None
                             else args.max_unauthenticated_connections)
     step_timeout = args.engine_step_timeout or DEFAULT_STEP_TIMEOUT_S
-    engines: list[tuple[Any, list[str]]] = []
+    engines: list[tuple[EngineClient, list[str]]] = []
     try:
         for config, names in configs:
             engines.append((build_engine(config, args.data_parallel_size, args.engine_in_process, step_timeout),

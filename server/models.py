@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from kvforge.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.engine_client import EngineClient
     from kvforge.server.openai_api import OpenAIServing
 
 
@@ -37,7 +37,7 @@ class ServedModel:
     lora_request: Any = None
 
     @property
-    def engine(self) -> AsyncLLMEngine:
+    def engine(self) -> EngineClient:
         return self.serving.engine
 
     def card(self) -> dict[str, Any]:
@@ -85,9 +85,9 @@ class ServedModels:
         return [*self._by_name.values()]
 
     @property
-    def engines(self) -> list[AsyncLLMEngine]:
+    def engines(self) -> list[EngineClient]:
         """Every engine once, in the order of its first served name."""
-        distinct: dict[int, AsyncLLMEngine] = {}
+        distinct: dict[int, EngineClient] = {}
         for entry in self._by_name.values():
             distinct.setdefault(id(entry.engine), entry.engine)
         return [*distinct.values()]

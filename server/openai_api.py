@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
-from kvforge.errors import RequestFailedError
+from kvforge.engine_client import EngineClient
+from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.input_checks import check_extra_args
 from kvforge.server.chat_output import ChoiceOutput
 from kvforge.server.disconnect import AbortingStreamingResponse
@@ -46,7 +46,7 @@ class OpenAIServing:
     """One engine's endpoints. The app resolves a request's ``model`` (``ServedModels``) and passes the
     ``ServedModel`` it got: its name goes in the response, its ``lora_request`` with the engine requests."""
 
-    def __init__(self, engine: AsyncLLMEngine, metrics: ModelMetrics, chat_template: str | None = None,
+    def __init__(self, engine: EngineClient, metrics: ModelMetrics, chat_template: str | None = None,
                  trust_request_chat_template: bool = False, tool_options: ToolOptions | None = None):
         self.engine = engine
         self.tool_options = tool_options or ToolOptions()
