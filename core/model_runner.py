@@ -67,7 +67,7 @@ class ModelRunner:
         self.sampler.release(out.finished_request_ids)
         graphs = self.worker.graphs
         graph_key = None  # (padded batch size, query tokens per sequence) of a uniform step
-        if graphs is not None and not any(r.sampling_params.prompt_logprobs is not None for r in out.scheduled):
+        if graphs is not None and not _computes_prompt_logprobs(out):
             graph_key = graphs.padded_size(out)
         step, plan = self.builder.build(out, kv, graph_key, prev.sample_reqs if prev is not None else None)
         if plan.sample_reqs:
@@ -226,3 +226,11 @@ class ModelRunner:
                 n = min(c - 1, len(r.draft_probs))
                 q[b, :n] = r.draft_probs[:n]
         return q
+
+
+def _computes_prompt_logprobs(out: SchedulerOutput) -> bool:
+    """Whether the step computes prompt log-probabilities: a request that asked for them is still short
+    of its last prompt position (as ``StepInputBuilder._prompt_rows`` counts). Such a step runs eagerly;
+    the decode steps after the prompt replay CUDA graphs like any other."""
+    return any(r.sampling_params.prompt_logprobs is not None and r.num_computed_tokens < r.num_prompt_tokens - 1
+               for r in out.scheduled)

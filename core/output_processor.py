@@ -53,6 +53,9 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.seqs: dict[str, SeqState] = {}  # sequence (scheduler) request id -> state
         self.pending_finished: list[Request] = []  # ended outside a step's update (failed grammar)
+        # token id -> its text alone, for logprob entries (prompt logprobs decode k + 1 ids a position);
+        # at most one string per vocabulary entry
+        self.token_texts: dict[int, str] = {}
 
     def add(self, parent: ParentState, children: list[Request]) -> None:
         params = children[0].sampling_params
@@ -172,7 +175,12 @@ class OutputProcessor:
 
     def _logprob_dict(self, e: TokenLogprobs) -> dict[int, Logprob]:
         def dec(t: int) -> str | None:
-            return self.tokenizer.decode([t]) if self.tokenizer is not None else None
+            if self.tokenizer is None:
+                return None
+            text = self.token_texts.get(t)
+            if text is None:
+                text = self.token_texts[t] = self.tokenizer.decode([t])
+            return text
 
         d = {t: Logprob(v, r + 1, dec(t)) for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs))}
         if e.token_id not in d:

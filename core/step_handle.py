@@ -106,9 +106,12 @@ class StepHandle:
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Log-softmax of raw logits [rows, vocab]: each row's chosen token's value and rank, and the top k
     (device tensors; :func:`logprob_entries` reads their host copies)."""
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
     chosen = lp.gather(1, tokens[:, None]).squeeze(1)
-    out = {"tokens": tokens, "chosen": chosen, "rank": (lp > chosen[:, None]).sum(dim=1) + 1}
+    # an int32 count (a vocabulary fits): summing the [rows, vocab] comparison into int64 took half of
+    # this function's time on a CPU, and int32 sums it about 1.5x faster
+    rank = (lp > chosen[:, None]).sum(dim=1, dtype=torch.int32) + 1
+    out = {"tokens": tokens, "chosen": chosen, "rank": rank}
     if k > 0:
         out["top_v"], out["top_i"] = lp.topk(k, dim=-1)
     return out

@@ -87,3 +87,56 @@ def test_logprob_limits(tiny_llm):
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=[""])
+
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prompt_logprobs_come_from_the_prefill_forwards_in_bounded_slices(tiny_llm, monkeypatch, chunk):
+    # Prompt logprobs add no forward: each prompt chunk's forward also gives its positions' logits, at
+    # most prompt_logprobs_rows at a time, with one log-softmax / top-k per slice (none per position).
+    import kvforge.model_runner as model_runner
+    import kvforge.worker as worker
+
+    engine = tiny_llm.llm_engine
+    monkeypatch.setattr(worker, "PROMPT_LOGPROBS_SLICE_BYTES", engine.model_config.vocab_size * 12 * 7)
+    if chunk is not None:  # the prompt runs in chunks of 16 tokens
+        monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", chunk)
+    model = engine.runner.model
+    calls: dict = {}
+    forward, compute_logits, logprob_tensors = model.forward, model.compute_logits, model_runner.logprob_tensors
+
+    def counting_forward(*args, **kw):
+        calls["forwards"] += 1
+        return forward(*args, **kw)
+
+    def counting_logits(hidden):
+        calls["logits_rows"].append(len(hidden))
+        return compute_logits(hidden)
+
+    def counting_tensors(*args):
+        calls["logprob_tensors"] += 1
+        return logprob_tensors(*args)
+
+    monkeypatch.setattr(model, "forward", counting_forward)
+    monkeypatch.setattr(model, "compute_logits", counting_logits)
+    monkeypatch.setattr(model_runner, "logprob_tensors", counting_tensors)
+
+    def run(first: int, **kw) -> dict:
+        calls.update(forwards=0, logits_rows=[], logprob_tensors=0)
+        prompt = list(range(first, first + 50))  # not seen before: no prefix-cache hit for the plain request
+        out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, **kw),
+                                use_tqdm=False)[0]
+        return dict(calls, out=out)
+
+    base = 7000 + 200 * (chunk or 0)
+    plain = run(base)
+    asked = run(base + 100, prompt_logprobs=4)
+    assert asked["forwards"] == plain["forwards"] == (3 if chunk is None else 4 + 2)
+    assert len(asked["out"].prompt_logprobs) == 50
+    # the LM head's extra calls are the prompt slices (each step computes them before its sampled rows)
+    prompt_rows = asked["logits_rows"][:len(asked["logits_rows"]) - len(plain["logits_rows"])]
+    assert asked["logits_rows"][len(prompt_rows):] == plain["logits_rows"]
+    assert sum(prompt_rows) == 49  # positions 0 .. 48 predict tokens 1 .. 49
+    # whole: 7 slices of 7; in chunks of 16, 16, 16, 2: slices of 7, 7, 2 for each full chunk, then 1
+    assert prompt_rows == ([7] * 7 if chunk is None else [7, 7, 2] * 3 + [1])
+    assert asked["logprob_tensors"] == len(prompt_rows)

@@ -80,3 +80,16 @@ def test_flashinfer_plans_ahead_safely_and_captures_decode_only():
                max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"})
     assert spec.llm_engine.runner.graphs.query_lens == [1]  # verification steps (q = 4) run eagerly
     assert all(len(o.outputs[0].token_ids) == 40 for o in spec.generate(prompts, p, use_tqdm=False))
+
+
+def test_a_prompt_logprobs_request_decodes_from_graphs():
+    # only a step that computes prompt positions runs eagerly: the decode steps after it replay graphs
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 120000, (n,), generator=gen).tolist() for n in (40, 7, 130)]
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    llm = LLM("dummy:llama-3.2-1b", num_gpu_blocks_override=256, max_num_seqs=8, max_model_len=1024)
+    graphs = llm.llm_engine.runner.graphs
+    outs = llm.generate(prompts, p, use_tqdm=False)
+    assert [len(o.prompt_logprobs) for o in outs] == [40, 7, 130]
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert graphs.replays.get((4, 1), 0) >= 14  # the three decode together, in the size-4 graph
