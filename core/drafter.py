@@ -78,3 +78,7 @@ class Drafter(ABC):
 
     def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional: a no-op by default
         """Forget per-request state of requests that ended."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional: a no-op by default
+        """Give back what the drafter holds on the device (its model, KV cache, graphs): the engine is
+        shutting down and never proposes again."""

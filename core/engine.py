@@ -32,7 +32,7 @@ from kvforge.spec_decode import SpecDecoder
 from kvforge.speculative import SpecDecodeStats
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
-from kvforge.worker import WorkerSpec
+from kvforge.worker import WorkerSpec, release_device_memory
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +190,15 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the engine's ranks (worker processes, actors); idempotent."""
+        """Stop the engine's ranks (worker processes, actors) and give back everything it holds on the
+        device: weights, KV cache, CUDA graphs and their pools, the drafter's too; idempotent. The engine
+        cannot step afterwards."""
         self.executor.shutdown()
+        if self.spec is not None:
+            self.spec.drafter.shutdown()
+        self._pipeline.clear()  # steps in flight hold device tensors, as does the last one's output
+        self.last_runner_output = ModelRunnerOutput()
+        release_device_memory(self.device)
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is

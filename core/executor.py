@@ -82,8 +82,10 @@ class Executor(ABC):
         return None
 
     def shutdown(self) -> None:
-        """Stop every rank; nothing is left running. Idempotent. (Nothing to stop in process.)"""
-        return None
+        """Stop every rank and give back the device memory of the driver (``Worker.release``); nothing
+        is left running. Idempotent."""
+        if getattr(self, "driver", None) is not None:
+            self.driver.release()
 
 
 class UniExecutor(Executor):

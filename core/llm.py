@@ -30,9 +30,26 @@ class LLM:
         self._profiling = False
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes or actors (with tensor or pipeline parallelism); the
-        ``LLM`` cannot be used afterwards. They also stop when the process exits."""
+        """Stop the engine's worker processes or actors and give back everything it holds on the device
+        (weights, KV cache, CUDA graphs and their pools); the ``LLM`` cannot be used afterwards. Also
+        done by ``with LLM(...) as llm:`` on leaving the block; a dropped ``LLM`` (``del llm``) gives
+        its memory back once it is collected, and its processes stop when this process exits."""
         self.llm_engine.shutdown()
+
+    def __del__(self) -> None:
+        # a dropped LLM gives its device memory back (its engine may be collected later, with a cycle)
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - at interpreter exit, or after a failed start: nothing to free
+                pass
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def start_profile(self) -> None:
         """Start a ``torch.profiler`` trace on every rank (vLLM's ``LLM.start_profile``)."""

@@ -5,7 +5,8 @@ each fit on one GPU, in one process (several models behind one server) or in two
 counts only what it added itself: a :class:`MemoryBaseline` is taken when its worker starts, before
 it loads anything, and the profiled peak and the memory outside torch's allocator are measured
 against it. Memory other processes take later is not foreseen; memory that is not free at all is:
-the budget never exceeds what is free now, less the activations a step still needs.
+the budget never exceeds what is free now (blocks torch's allocator caches unused count as free), less
+the activations a step still needs.
 """
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ def kv_cache_budget(device: torch.device, baseline: MemoryBaseline, peak_allocat
     non_torch = max(own_used - (torch.cuda.memory_reserved(device) - baseline.reserved), 0)
     budget = total * gpu_memory_utilization - peak - non_torch
     activations = max(peak - (torch.cuda.memory_allocated(device) - baseline.allocated), 0)
-    room = free - activations
+    # NOTE: blocks torch's allocator caches but no tensor uses (a dropped engine's, not yet emptied) are
+    # free to this engine too: an allocation that needs them makes the allocator give them back first
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    room = free + cached - activations
     logger.info("rank %d KV cache: peak forward %.2f GiB, non-torch %.2f GiB, %.2f GiB of %.2f GiB (share %.2f); "
                 "%.2f GiB free now", rank, peak / GiB, non_torch / GiB, max(budget, 0) / GiB, total / GiB,
                 gpu_memory_utilization, free / GiB)

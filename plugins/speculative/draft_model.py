@@ -103,6 +103,10 @@ class DraftModelDrafter(Drafter):
             self.computed.pop(rid, None)
             self.generators.pop(rid, None)
 
+    def shutdown(self) -> None:
+        self.graphs = self.model = None  # the graphs (and their memory pool) first: they hold the model's tensors
+        self.kv_caches = []
+
     # -- one proposal ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DraftProposal:
