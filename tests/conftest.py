@@ -1,8 +1,15 @@
-"""Shared fixtures: the default model, a tiny random Llama, and the installed dummy plugin package."""
+"""Shared fixtures: the default model (its engine and its transformers twin, built once), a tiny random
+Llama, and the installed dummy plugin package."""
 import importlib.metadata as md
 import os
 import subprocess
 import sys
+
+# NOTE: before torch is first imported (OpenMP reads it once), and inherited by every server, engine-core
+# and rank process the tests start. OpenMP's threads otherwise spin between parallel regions: as soon as
+# another process wants a core (a server's engine process beside its front end, the test driving it, any
+# other job on CI's 2 cores), a step runs 2-3x slower. Sleeping costs a few percent at most when nothing competes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
@@ -30,9 +37,19 @@ def default_model_path():
 
 @pytest.fixture(scope="session")
 def hf_base(default_model_path):
-    """The default model in transformers (dequantized from its GGUF, float32): the base of the LoRA tests' adapters."""
+    """The default model in transformers (dequantized from its GGUF, float32), loaded once: the reference of
+    the parity tests and the base of the LoRA tests' adapters. Tests only read it (adapters work on copies)."""
     from lora_adapters import load_hf_base
     return load_hf_base(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model on the CPU with a 0.5 GiB KV pool, shared by the tests that only generate with it.
+    A test that uses it leaves it as it found it: nothing running, no block held (prefix-cache contents and
+    counters aside: compare counters before and after)."""
+    from kvforge import LLM
+    return LLM(device="cpu", kv_cache_memory_gib=0.5)  # (not the 4 GiB CPU default: CI memory)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,4 @@
 """Beam search: blocks shared copy-on-write between beams, and the same best sequence as transformers."""
-import os
-
 import pytest
 import torch
 
@@ -40,19 +38,15 @@ def test_beam_search_validation(tiny_llm):
 
 
 @pytest.mark.slow
-def test_best_beam_matches_transformers(default_model_path, check_no_blocks):
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(device="cpu", kv_cache_memory_gib=0.5)
+def test_best_beam_matches_transformers(default_llm, hf_base, check_no_blocks):
+    llm = default_llm
     tok = llm.get_tokenizer()
     prompts = ["The capital of France is", "def add(a, b):", "My favourite food is"]
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=12))
-    d, name = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     for p, out in zip(prompts, outs):
         ids = tok(p, return_tensors="pt").input_ids
         with torch.no_grad():
-            ref = model.generate(ids, num_beams=4, max_new_tokens=12, do_sample=False, early_stopping=False,
+            ref = hf_base.generate(ids, num_beams=4, max_new_tokens=12, do_sample=False, early_stopping=False,
                                  length_penalty=1.0, eos_token_id=2, pad_token_id=2)[0].tolist()
         best = out.sequences[0].tokens
         n = len(best)

@@ -24,22 +24,21 @@ PROMPTS = [
 ]
 
 
+def _hf_greedy(model, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
+                             pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
 @pytest.fixture(scope="module")
-def hf_reference(default_model_path):
+def hf_reference(hf_base, default_model_path):
     """Greedy continuations from transformers, one prompt at a time (no padding involved)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     d, name = os.path.split(default_model_path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()
-    refs = {}
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2,
-                                 pad_token_id=2)
-        refs[p] = out[0, ids.shape[1]:].tolist()
-    return refs
+    return {p: _hf_greedy(hf_base, tok(p).input_ids) for p in PROMPTS}
 
 
 def _check(llm, refs, check_no_blocks):
@@ -63,8 +62,10 @@ def _check(llm, refs, check_no_blocks):
     dict(num_gpu_blocks_override=14, max_num_batched_tokens=64, scheduler="priority",
          plugins={"priority": {"preemption_mode": "swap"}}, swap_space=0.05),
 ], ids=["default", "no-prefix-cache", "chunked-32", "tiny-pool-preempt", "priority-recompute", "priority-swap"])
-def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args):
-    llm = LLM(device="cpu", kv_cache_memory_gib=0.5, **engine_args)  # (not the 4 GiB CPU default: CI memory)
+def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args, request):
+    # the default settings are the shared default engine's (a 0.5 GiB pool, not the 4 GiB CPU default: CI memory)
+    llm = LLM(device="cpu", kv_cache_memory_gib=0.5, **engine_args) if engine_args \
+        else request.getfixturevalue("default_llm")
     _check(llm, hf_reference, check_no_blocks)
     stats = llm.llm_engine.get_stats()
     if "num_gpu_blocks_override" in engine_args:
@@ -82,10 +83,8 @@ def test_greedy_matches_transformers(hf_reference, check_no_blocks, engine_args)
 
 
 @pytest.mark.slow
-def test_shared_64_token_prefix_hits_cache(hf_reference, default_model_path, check_no_blocks):
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(device="cpu", kv_cache_memory_gib=0.5)
+def test_shared_64_token_prefix_hits_cache(default_llm, hf_base, check_no_blocks):
+    llm = default_llm
     tok = llm.get_tokenizer()
     first = tok.encode(PROMPTS[7])
     assert len(first) >= 64
@@ -95,27 +94,18 @@ def test_shared_64_token_prefix_hits_cache(hf_reference, default_model_path, che
     out = llm.generate([second], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] - before == 64
     assert out.num_cached_tokens == 64
-    d, name = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([second]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             eos_token_id=2, pad_token_id=2)[0, len(second):].tolist()
-    assert out.outputs[0].token_ids == ref
+    assert out.outputs[0].token_ids == _hf_greedy(hf_base, second)
     check_no_blocks(llm.llm_engine)
 
 
 @pytest.mark.slow
-def test_logprobs_are_log_softmax_of_transformers_logits(default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(device="cpu", kv_cache_memory_gib=0.5)
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=2),
-                       use_tqdm=False)[0]
-    d, name = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+def test_logprobs_are_log_softmax_of_transformers_logits(default_llm, hf_base):
+    out = default_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=2),
+                               use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # (a prompt shorter than a block: the shared engine computes all of it)
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ref = torch.log_softmax(hf_base(torch.tensor([ids])).logits[0].float(), dim=-1)
     n_prompt = len(out.prompt_token_ids)
     for i, (tok, lps) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
         row = ref[n_prompt - 1 + i]

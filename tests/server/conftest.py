@@ -1,5 +1,6 @@
 """A real `kvforge serve` subprocess on a free loopback port, shared by the server tests."""
 import collections
+import json
 import os
 import resource
 import signal
@@ -71,6 +72,18 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     s = ServerProcess("--api-key", API_KEY, "--served-model-name", "tiny", "tiny-alias")
+    yield s
+    s.stop()
+
+
+#: n-gram speculation on, drafting every step: the speculative series have samples on /metrics
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "policy": "fixed"}
+
+
+@pytest.fixture(scope="session")
+def spec_server():
+    """A tiny server with speculative decoding on, shared by the speculative-serving and dashboard tests."""
+    s = ServerProcess("--api-key", API_KEY, "--speculative-config", json.dumps(SPEC))
     yield s
     s.stop()
 

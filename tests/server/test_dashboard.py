@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import API_KEY, ServerProcess
+from conftest import API_KEY
 
 promql_parser = pytest.importorskip("promql_parser", reason="the test extra installs it")
 
@@ -16,8 +16,6 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvforg
 GRAFANA_INTERVALS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 #: labels Prometheus adds when it scrapes (target labels), which /metrics itself does not carry
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "service", "container", "endpoint"}
-#: speculative decoding on, so its series are on /metrics too (the data-parallel series need Ray: not charted)
-SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
 
 
 def queries() -> list[tuple[str, str]]:
@@ -67,13 +65,6 @@ def exposed(text: str) -> dict[str, set[str]]:
     return names
 
 
-@pytest.fixture(scope="module")
-def spec_server():
-    s = ServerProcess("--api-key", API_KEY, "--speculative-config", json.dumps(SPEC))
-    yield s
-    s.stop()
-
-
 def test_the_dashboard_charts_what_the_issue_asks_for():
     text = " ".join(expr for _, expr in queries())
     for metric in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
@@ -110,6 +101,8 @@ def test_the_query_check_finds_a_broken_query():
 
 
 def test_every_series_a_query_names_is_on_metrics_with_the_labels_used(spec_server):
+    # spec_server (conftest): speculative decoding on, so its series are on /metrics too (the data-parallel
+    # series need Ray: not charted)
     client = httpx.Client(base_url=spec_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     # one request, so the speculative and latency series have samples (and their labels show)
     body = {"model": "dummy:tiny", "prompt": "a b a b a b a b", "max_tokens": 8, "ignore_eos": True}

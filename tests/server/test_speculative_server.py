@@ -11,15 +11,7 @@ import pytest
 from conftest import API_KEY, ServerProcess, metric, wait_idle
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "server.md"
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "policy": "fixed"}
 PROMPTS = ["one two three one two three one two", "a b a b a b a b a b", "The cat sat. The cat sat. The cat"]
-
-
-@pytest.fixture(scope="module")
-def spec_server():
-    s = ServerProcess("--api-key", API_KEY, "--speculative-config", json.dumps(SPEC))
-    yield s
-    s.stop()
 
 
 def _client(server):

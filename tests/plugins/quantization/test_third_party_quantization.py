@@ -11,7 +11,7 @@ from kvforge import LLM, SamplingParams
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Hello, my name is", "1, 2, 3, 4, 5,"]
 
 
-def test_third_party_quantization_method_selected_by_config_file(dummy_plugin_installed, tmp_path):
+def test_third_party_quantization_method_selected_by_config_file(dummy_plugin_installed, default_llm, tmp_path):
     from kvforge_dummy_plugin.components import Int8WeightOnly
 
     cfg = tmp_path / "kvforge.toml"
@@ -29,8 +29,7 @@ def test_third_party_quantization_method_selected_by_config_file(dummy_plugin_in
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert Int8WeightOnly.applied - applied >= 16 * 2 * len(layers)  # every step went through apply()
-    ref = [o.outputs[0].token_ids for o in LLM(device="cpu", max_model_len=256, num_gpu_blocks_override=64)
-           .generate(PROMPTS, params, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in default_llm.generate(PROMPTS, params, use_tqdm=False)]  # float32
     assert sum(a[:8] == b[:8] for a, b in zip(got, ref)) >= 3  # int8 weights: near-lossless
 
 
