@@ -36,9 +36,12 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 class AsyncLLMEngine(StreamingFront):
-    def __init__(self, engine: LLMEngine, step_timeout_s: float | None = None):
-        """``step_timeout_s``: mark the engine dead when a step (or the idle loop's beat) takes longer."""
+    def __init__(self, engine: LLMEngine, step_timeout_s: float | None = None, *, owns_engine: bool = False):
+        """``step_timeout_s``: mark the engine dead when a step (or the idle loop's beat) takes longer.
+        ``owns_engine``: :meth:`shutdown` gives back the engine's device memory (``LLMEngine.release``);
+        otherwise it only stops the ranks, and the engine's owner (an ``LLM``) releases it."""
         self.engine = engine
+        self.owns_engine = owns_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.streams = RequestStreams()
@@ -51,7 +54,7 @@ class AsyncLLMEngine(StreamingFront):
 
     @classmethod
     def from_config(cls, config: EngineConfig, step_timeout_s: float | None = None) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config), step_timeout_s)
+        return cls(LLMEngine(config), step_timeout_s, owns_engine=True)
 
     # -- facts the front end needs -----------------------------------------------------------------
     @property
@@ -103,7 +106,10 @@ class AsyncLLMEngine(StreamingFront):
             self.watchdog.stop()
         if self._thread is not None:  # a stalled loop may never return: wait for it only briefly
             self._thread.join(1.0 if self.dead.is_set() else timeout)
-        self.engine.shutdown()  # its ranks (worker processes, actors)
+        if self.owns_engine and not self.dead.is_set():  # (a dead device may never finish a release)
+            self.engine.release()
+        else:
+            self.engine.shutdown()  # its ranks (worker processes, actors)
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,

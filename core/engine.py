@@ -190,10 +190,18 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the engine's ranks (worker processes, actors) and give back everything it holds on the
-        device: weights, KV cache, CUDA graphs and their pools, the drafter's too; idempotent. The engine
-        cannot step afterwards."""
+        """Stop the engine's ranks (worker processes, actors); idempotent."""
         self.executor.shutdown()
+
+    def release(self) -> None:
+        """:meth:`shutdown`, then give back everything the engine holds on the device: the driver
+        worker's weights, KV cache, CUDA graphs and their pool, the drafter's too, the steps in flight.
+        For the engine's owner (``LLM``, an ``AsyncLLMEngine`` that built it); idempotent. The engine
+        cannot step afterwards."""
+        self.shutdown()
+        driver = getattr(self.executor, "driver", None)
+        if driver is not None:
+            driver.release()
         if self.spec is not None:
             self.spec.drafter.shutdown()
         self._pipeline.clear()  # steps in flight hold device tensors, as does the last one's output

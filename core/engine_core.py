@@ -59,7 +59,7 @@ class EngineCore(AsyncLLMEngine):
     """``AsyncLLMEngine``'s loop with its outputs going to the front end's connection."""
 
     def __init__(self, config: EngineConfig, conn: multiprocessing.connection.Connection):
-        super().__init__(LLMEngine(config))
+        super().__init__(LLMEngine(config), owns_engine=True)
         self.conn = conn
         self._conn_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvforge-admit")

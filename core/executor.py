@@ -82,10 +82,9 @@ class Executor(ABC):
         return None
 
     def shutdown(self) -> None:
-        """Stop every rank and give back the device memory of the driver (``Worker.release``); nothing
-        is left running. Idempotent."""
-        if getattr(self, "driver", None) is not None:
-            self.driver.release()
+        """Stop every rank; nothing is left running. Idempotent. (Nothing to stop in process: the driver
+        worker's memory is given back by ``LLMEngine.release``.)"""
+        return None
 
 
 class UniExecutor(Executor):

@@ -34,14 +34,14 @@ class LLM:
         (weights, KV cache, CUDA graphs and their pools); the ``LLM`` cannot be used afterwards. Also
         done by ``with LLM(...) as llm:`` on leaving the block; a dropped ``LLM`` (``del llm``) gives
         its memory back once it is collected, and its processes stop when this process exits."""
-        self.llm_engine.shutdown()
+        self.llm_engine.release()
 
     def __del__(self) -> None:
         # a dropped LLM gives its device memory back (its engine may be collected later, with a cycle)
         engine = getattr(self, "llm_engine", None)
         if engine is not None:
             try:
-                engine.shutdown()
+                engine.release()
             except Exception:  # noqa: BLE001 - at interpreter exit, or after a failed start: nothing to free
                 pass
 

@@ -267,6 +267,6 @@ class MultiprocExecutor(Executor):
         stop_processes(list(self.procs.values()))
         self._listener.close()
         if getattr(self, "driver", None) is not None:
-            self.driver.release()  # leaves the process groups, then gives back its device memory
+            self.driver.close()
         for conn in self.conns.values():
             conn.close()

@@ -229,7 +229,7 @@ class RayExecutor(Executor):
                 pass
             ray.kill(actor)
         if getattr(self, "driver", None) is not None:
-            self.driver.release()  # leaves the process groups, then gives back its device memory
+            self.driver.close()
         from ray.util.placement_group import remove_placement_group
 
         try:

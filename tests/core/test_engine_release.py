@@ -55,3 +55,27 @@ def test_a_dropped_llm_is_collected_with_everything_it_holds():
     held = _held(llm) | {"engine": weakref.ref(llm.llm_engine)}
     del llm
     assert all(_gone(held).values()), _gone(held)
+
+
+def test_an_async_engine_releases_only_the_engine_it_owns():
+    """A front end built from a config owns its engine and gives its memory back at shutdown; one that
+    wraps a borrowed engine (an ``LLM``'s) leaves it to its owner, which can still generate."""
+    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.config import EngineConfig
+
+    llm = LLM("dummy:tiny", **ENGINE)
+    borrowed = AsyncLLMEngine(llm.llm_engine)
+    borrowed.start()
+    borrowed.shutdown()
+    assert llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still the LLM's
+    held = _held(llm)
+    llm.shutdown()
+    assert all(_gone(held).values())
+
+    owner = AsyncLLMEngine.from_config(EngineConfig.create(None, model="dummy:tiny", **ENGINE))
+    owner.start()
+    worker = owner.engine.executor.driver
+    held = {"weights": weakref.ref(next(worker.model.parameters())), "kv_cache": weakref.ref(worker.kv_caches[0])}
+    del worker
+    owner.shutdown()
+    assert all(_gone(held).values())
