@@ -47,6 +47,9 @@ class AttentionCapabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     attention_sinks: bool = False
+    # where ``auto`` tries it, highest first (ties by name): the built-ins use 10 (torch) to 40 (triton);
+    # a third-party backend that sets more is tried before them, one that keeps 0 after them
+    auto_priority: int = 0
 
 
 #: the per-layer variants a model can need, by the capability field that grants each

@@ -11,12 +11,6 @@ from kvforge.plugin_manager import KINDS, PluginManager
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` preference for attention backends, best first. On CUDA ``triton`` leads: its decode is the
-#: fastest measured (88-101% of the H200's copy bandwidth) and replays in CUDA graphs, and its slower
-#: prefill (1.5x FA4's attention time) costs little, attention being ~4% of a prefill step
-#: (docs/benchmarks.md).
-ATTENTION_PREFERENCE = {"cuda": ["triton", "flashinfer", "flash_attn", "torch"], "cpu": ["torch"]}
-
 #: config field naming the selected component of each kind
 SELECTING_FIELD = {"attention_backend": "attention_backend", "scheduler": "scheduler", "sampler": "sampler",
                    "kv_cache_manager": "kv_cache_manager"}
@@ -43,6 +37,29 @@ def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **k
     return cls(**kwargs, **options)
 
 
+def auto_order(pm: PluginManager) -> tuple[list[tuple[str, type]], list[str]]:
+    """Every registered attention backend that imports, as (name, class), in ``auto``'s order: highest
+    ``capabilities.auto_priority`` first (as declared by the class itself), ties by name (data a third-party backend joins, not a list in
+    core). On CUDA the built-ins rank triton > flashinfer > flash_attn > torch: triton's decode is the
+    fastest measured (88-101% of the H200's copy bandwidth) and replays in CUDA graphs, and its slower
+    prefill (1.5x FA4's attention time) costs little, attention being ~4% of a prefill step
+    (docs/benchmarks.md). Also the refusals of those that did not import."""
+    loaded, refused = [], []
+    for name in pm.names("attention_backend"):
+        try:
+            loaded.append((name, pm.get("attention_backend", name)))
+        except ImportError as exc:
+            refused.append(f"{name}: {exc}")
+    loaded.sort(key=lambda item: (-_auto_priority(item[1]), item[0]))
+    return loaded, refused
+
+
+def _auto_priority(cls: type) -> int:
+    """The backend's ``auto_priority``, if the class declares its capabilities itself: a subclass that
+    inherits them unchanged (a wrapper, a test double) does not take its parent's rank, it comes after."""
+    return getattr(cls.capabilities, "auto_priority", 0) if "capabilities" in vars(cls) else 0
+
+
 def select_attention_backend(pm: PluginManager, name: str, *, device: torch.device, dtype: torch.dtype,
                              head_size: int, block_size: int, kv_cache_dtype: torch.dtype | None = None,
                              features: frozenset[str] = frozenset()) -> tuple[str, type]:
@@ -59,15 +76,8 @@ def select_attention_backend(pm: PluginManager, name: str, *, device: torch.devi
         if reasons:
             raise ValueError(f"attention_backend {name!r} cannot be used: {'; '.join(reasons)}")
         return name, cls
-    registered = pm.names("attention_backend")
-    order = [n for n in ATTENTION_PREFERENCE.get(device.type, ["torch"]) if n in registered]
-    refused = []
-    for candidate in order:
-        try:
-            cls = pm.get("attention_backend", candidate)
-        except ImportError as exc:
-            refused.append(f"{candidate}: {exc}")
-            continue
+    candidates, refused = auto_order(pm)
+    for candidate, cls in candidates:
         reasons = cls.validate(**setup)
         if not reasons:
             logger.info("attention backend: %s (auto)%s", candidate,

@@ -160,6 +160,7 @@ class FlashAttnBackend(AttentionBackend):
         logits_soft_cap=True,
         # FA4 only: validate and layer() refuse sinks where FA2/FA3 would run
         attention_sinks=True,
+        auto_priority=20,
     )
 
     @dataclass

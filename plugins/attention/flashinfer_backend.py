@@ -150,6 +150,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         sliding_window=True,  # window_left, planned per plan key
         logits_soft_cap=True,  # logits_soft_cap, likewise
         attention_sinks=False,  # run(sinks=) misses the kernels planned here (module docstring)
+        auto_priority=30,
     )
 
     @dataclass

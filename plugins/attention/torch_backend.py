@@ -35,6 +35,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window=True,
         logits_soft_cap=True,
         attention_sinks=True,
+        auto_priority=10,
     )
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:

@@ -69,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window=True,
         logits_soft_cap=True,
         attention_sinks=True,
+        auto_priority=40,
     )
     Options = TritonOptions
     #: accept device cpu while TRITON_INTERPRET=1 (tests run the kernels in the interpreter)

@@ -581,3 +581,27 @@ def test_flash_attn_refuses_an_fp8_cache(pm, monkeypatch, no_cuda):
                                          r"torch.float8_e4m3fn not supported: its cache holds the model dtype only "
                                          r"\(FlashAttention reads FP8 K/V only with an FP8 query"):
         select_attention_backend(pm, "flash_attn", **ok, kv_cache_dtype=FP8)
+
+
+def test_auto_ranks_the_built_ins_by_their_priority(pm):
+    from kvforge.builder import auto_order
+
+    order, refused = auto_order(pm)
+    assert [n for n, _ in order if n in ("triton", "flashinfer", "flash_attn", "torch")] == [
+        "triton", "flashinfer", "flash_attn", "torch"]
+    assert not refused
+
+
+@pytest.mark.parametrize("priority, picked", [(100, "mine"), (0, "torch")])
+def test_a_third_party_backend_joins_auto_by_its_priority(pm, priority, picked):
+    """``auto`` ranks every registered backend by ``capabilities.auto_priority``: one above the built-ins
+    is tried (and here taken) first; one with the default 0 comes after them, so torch still wins on CPU."""
+    import dataclasses
+
+    class Mine(TorchAttentionBackend):
+        capabilities = dataclasses.replace(TorchAttentionBackend.capabilities, auto_priority=priority)
+
+    pm.registries["attention_backend"].add("mine", Mine, "test")
+    name, cls = select_attention_backend(pm, "auto", device=torch.device("cpu"), dtype=torch.float32,
+                                         head_size=64, block_size=16)
+    assert name == picked and (cls is Mine) == (picked == "mine")
