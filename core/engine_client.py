@@ -25,12 +25,15 @@ if TYPE_CHECKING:
 class EngineClient(Protocol):
     """An engine behind a front end. Facts are read-only; calls are thread-safe unless said otherwise."""
 
-    #: the engine's options
-    config: EngineConfig
     #: why the engine stopped (None while it runs)
     error: BaseException | None
     #: set once the engine has died (a crash, a rank lost, a stall): the server drains and exits 1
     dead: threading.Event
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's options."""
+        ...
 
     @property
     def max_model_len(self) -> int: ...
@@ -48,6 +51,7 @@ class EngineClient(Protocol):
     @property
     def is_running(self) -> bool:
         """Started and not dead."""
+        ...
 
     def start(self) -> None:
         """Start serving (the engine was built by the constructor); idempotent."""

@@ -88,6 +88,13 @@ class StreamingFront:
     streams: RequestStreams
     error: BaseException | None
 
+    async def add_request(self, prompt: Any, params: Any, request_id: str, priority: int = 0,
+                          lora_request: Any = None) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        raise NotImplementedError
+
     async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0,
                        lora_request: Any = None) -> AsyncIterator[Any]:
         """Stream a request's output deltas (see ``add_request``)."""

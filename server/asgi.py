@@ -6,7 +6,7 @@ extra memory stream and task.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from kvforge.server.errors import error_body
 
@@ -31,7 +31,7 @@ def header(scope: dict, name: bytes) -> bytes | None:
 
 
 async def send_error(send: Any, status: int, message: str, *, param: str | None = None, type: str | None = None,
-                     code: str | None = None, headers: list[tuple[bytes, bytes]] = ()) -> None:
+                     code: str | None = None, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer with OpenAI's error object, from middleware (before any route runs)."""
     payload = json.dumps(error_body(status, message, param, type, code)).encode()
     await send({"type": "http.response.start", "status": status,

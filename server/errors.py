@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Mapping
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,7 @@ def error_body(status: int, message: str, param: str | None = None, type: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, type: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+                   code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_body(status, message, param, type, code), headers=headers)
 
 

@@ -39,7 +39,7 @@ logger = logging.getLogger("kvforge.server")
 #: listen backlog of the sockets (uvicorn's default)
 BACKLOG = 2048
 #: seconds uvicorn waits for connections to close once the drain is over (or after an engine died)
-CLOSE_GRACE_S = 5.0
+CLOSE_GRACE_S = 5
 STARTING_MESSAGE = "the server is starting: the engines are loading (GET /ready answers 200 once it can serve)"
 #: request bodies read (and dropped) before a "starting" answer; closing on unread data would reset it
 _DISCARD_MAX = 1 << 20
