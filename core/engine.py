@@ -19,6 +19,7 @@ from kvforge.executor import Executor, default_backend
 from kvforge.input_checks import bad_words_token_ids, check_request, tokenize_prompt
 from kvforge.lora.registry import LoRARegistry, check_lora_request
 from kvforge.lora.request import LoRARequest
+from kvforge.memory_budget import release_device_memory
 from kvforge.model_loader import load_model_config, resolve_model_source
 from kvforge.model_runner import ModelRunner
 from kvforge.output_processor import OutputProcessor, ParentState
@@ -32,7 +33,7 @@ from kvforge.spec_decode import SpecDecoder
 from kvforge.speculative import SpecDecodeStats
 from kvforge.structured_output import StructuredOutputManager
 from kvforge.tokenizer_source import tokenizer_for
-from kvforge.worker import WorkerSpec, release_device_memory
+from kvforge.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +195,10 @@ class LLMEngine:
         self.executor.shutdown()
 
     def release(self) -> None:
-        """:meth:`shutdown`, then give back everything the engine holds on the device: the driver
-        worker's weights, KV cache, CUDA graphs and their pool, the drafter's too, the steps in flight.
-        For the engine's owner (``LLM``, an ``AsyncLLMEngine`` that built it); idempotent. The engine
-        cannot step afterwards."""
+        """Shut down and give back all held on the device (weights, KV caches, graphs); the owner's, idempotent."""
         self.shutdown()
-        driver = getattr(self.executor, "driver", None)
-        if driver is not None:
-            driver.release()
+        if getattr(self.executor, "driver", None) is not None:
+            self.executor.driver.release()
         if self.spec is not None:
             self.spec.drafter.shutdown()
         self._pipeline.clear()  # steps in flight hold device tensors, as does the last one's output
@@ -313,8 +310,7 @@ class LLMEngine:
         return self.lora.ensure(lora_request, revive=True)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Unregister an adapter; False if it is not registered. Requests still running under it finish
-        with it (it is unregistered when the last one ends), and its name is free at once."""
+        """Unregister an adapter (its running requests finish with it); False if it is not registered."""
         return self.lora.remove(lora_int_id) if self.lora is not None else False
 
     def list_loras(self) -> list[LoRARequest]:

@@ -10,6 +10,7 @@ the activations a step still needs.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -62,3 +63,12 @@ def kv_cache_budget(device: torch.device, baseline: MemoryBaseline, peak_allocat
                        rank, gpu_memory_utilization, budget / GiB, max(room, 0) / GiB, baseline.used / GiB)
         budget = room
     return int(budget)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Return the caching allocator's free blocks to the device once the last references are gone (a
+    reference cycle can hold a tensor until the next collection, so one is run first)."""
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

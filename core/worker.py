@@ -7,7 +7,6 @@ the driver's results are used, by the sampler in the engine process (docs/distri
 """
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -74,15 +73,6 @@ class ForwardOutput:
     sample_rows: torch.Tensor | None  # the sampled rows, None when they are rows 0 .. n - 1
     logits: torch.Tensor | None  # float32 [num_sample_rows, vocab]
     head: torch.Tensor | None  # a verification graph's greedy verification
-
-
-def release_device_memory(device: torch.device) -> None:
-    """Return the caching allocator's free blocks to the device once the last references are gone (a
-    reference cycle can hold a tensor until the next collection, so one is run first)."""
-    gc.collect()
-    if device.type == "cuda" and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 class Worker:
@@ -162,16 +152,16 @@ class Worker:
                     pass
 
     def release(self) -> None:
-        """Give back everything this rank holds on its device: CUDA graphs and their memory pool, the KV
-        cache, the weights, the swap space and input buffers, then the allocator's cached blocks. The
-        process groups are left first (:meth:`close`). Idempotent; the worker cannot run afterwards."""
+        """Drop everything this rank holds on its device: CUDA graphs and their memory pool, the KV cache,
+        the weights, the swap space and input buffers (the caller then empties the allocator's cache,
+        ``memory_budget.release_device_memory``), after leaving the process groups (:meth:`close`).
+        Idempotent; the worker cannot run afterwards."""
         self.close()
         # NOTE: the graphs first: they hold the model and the KV cache, and their pool holds activations
         self.graphs = None
         self.kv_caches = []
         self.model = self.lora = self.swap_space = self.staging = None
         self.input_ids = self.positions = None
-        release_device_memory(self.device)
 
     def start_profile(self) -> None:
         """Start a ``torch.profiler`` trace of this rank (host and, on CUDA, device activity)."""

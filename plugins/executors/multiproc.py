@@ -146,14 +146,13 @@ class MultiprocExecutor(Executor):
         with self._lock:
             self._send_all(payload)
             mine: Any = None
+            driver_error: Exception | None = None
             try:
                 mine = getattr(self.driver, method)(*args, **kwargs)
             except Exception as exc:
                 if is_device_error(exc):
                     raise self._failure(exc) from exc
                 driver_error = exc
-            else:
-                driver_error = None
             # NOTE: every rank's answer is read, even after a failure: an unread one would answer the next call
             results = {rank: self._reply(rank) for rank in self.conns}
         if driver_error is not None:  # the driver's own error, as it was raised (a ValueError stays one)
