@@ -74,7 +74,7 @@ class InProcessServer:
     def __init__(self, config: Any, timeout: float):
         import uvicorn
 
-        from kvforge.async_engine import AsyncLLMEngine
+        from kvforge.engine.async_engine import AsyncLLMEngine
         from kvforge.plugin_manager import get_plugin_manager
         from kvforge.server.app import create_app
         from kvforge.server.cli import default_served_name
@@ -148,8 +148,8 @@ def vllm_server(peer: Any, config: Any, source: Any, mc: Any, seed: int, port: i
     """``vllm serve`` of the same model (random weights where kvforge's are), served under kvforge's
     model name, vLLM's defaults otherwise; without a tokenizer it is told to skip loading one."""
     from kvforge.bench.vllm_peer import llm_kwargs
+    from kvforge.model.tokenizer_source import tokenizer_for
     from kvforge.server.cli import default_served_name
-    from kvforge.tokenizer_source import tokenizer_for
 
     kwargs = llm_kwargs(source, mc, config.torch_dtype, seed, workdir, config)
     cmd = [peer.python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",

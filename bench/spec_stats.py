@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvforge.speculative import SpecDecodeStats
+from kvforge.spec_decode.policy import SpecDecodeStats
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 

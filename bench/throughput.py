@@ -147,8 +147,8 @@ def model_of(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """``(config, source, model config, tokenizer)`` of the engine flags, without building an engine."""
     from kvforge.cli import engine_kwargs
     from kvforge.config import EngineConfig
-    from kvforge.model_loader import load_model_config, resolve_model_source
-    from kvforge.tokenizer_source import tokenizer_for
+    from kvforge.model.loader import load_model_config, resolve_model_source
+    from kvforge.model.tokenizer_source import tokenizer_for
 
     kwargs = engine_kwargs(args)
     config = EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)

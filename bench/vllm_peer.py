@@ -132,7 +132,7 @@ def llm_kwargs(source: Any, mc: Any, dtype: Any, seed: int, workdir: str, config
     return kwargs | {"model": source.path}
 
 
-#: the spread of kvforge's random weights (``kvforge.model_loader``): vLLM's are redrawn with it
+#: the spread of kvforge's random weights (``kvforge.model.loader``): vLLM's are redrawn with it
 DUMMY_STD = 0.02
 
 

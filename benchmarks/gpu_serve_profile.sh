@@ -14,7 +14,7 @@ kvforge serve --model dummy:llama-3-8b --port $port > /tmp/serve.log 2>&1 &
 spid=$!
 for i in $(seq 1 300); do curl -s -o /dev/null -w "%{http_code}" http://127.0.0.1:$port/health 2>/dev/null | grep -q 200 && break; sleep 0.5; done
 echo "ready after ~$((i/2)) s"
-core=$(pgrep -f "kvforge.engine_core" | head -1); echo "server $spid core $core"
+core=$(pgrep -f "kvforge.engine.core" | head -1); echo "server $spid core $core"
 B=(--base-url http://127.0.0.1:$port --model dummy:llama-3-8b --input-len 512 --output-len 128)
 kvforge bench serve "${B[@]}" --request-rate 32 --num-prompts 100 > /dev/null 2>&1   # warm-up
 ( sleep 3; timeout 20 $PYSPY record -d 10 -r 250 -f raw -o $out/core.raw --nonblocking --pid $core > /tmp/pyspy-core.log 2>&1 ) &

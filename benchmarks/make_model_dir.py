@@ -13,8 +13,8 @@ import argparse
 import json
 import os
 
-from kvforge.model_config import ModelConfig
-from kvforge.model_loader import default_model_path
+from kvforge.model.config import ModelConfig
+from kvforge.model.loader import default_model_path
 from kvforge.tokenizer import load_tokenizer
 
 

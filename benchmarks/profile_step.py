@@ -65,7 +65,7 @@ def main() -> None:
     runner.sampler.sample = timed("sampling: sample", runner.sampler.sample)
     eng.scheduler.update = timed("update: scheduler", eng.scheduler.update)
     eng.scheduler.advance = timed("update: scheduler advance", eng.scheduler.advance)
-    from kvforge.step_handle import StepHandle
+    from kvforge.rank.step_handle import StepHandle
     StepHandle.finish = timed("output: copy results to host", StepHandle.finish)
     StepHandle.result = timed("output: wait, tokens to Python", StepHandle.result)
     eng.outputs.process = timed("output: detokenize, stop checks", eng.outputs.process)

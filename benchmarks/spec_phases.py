@@ -64,7 +64,7 @@ def main() -> None:
     if eng.runner.graphs is not None:
         timed(eng.runner.graphs, "replay", acc)
         timed(eng.runner.attn, "update_graph_metadata", acc)
-    from kvforge import step_handle
+    from kvforge.rank import step_handle
     timed(step_handle.StepHandle, "finish", acc)
     gpu_ms: list[float] = []
     launch = eng.runner.launch
@@ -115,7 +115,7 @@ def main() -> None:
 def graph_replay_costs(eng) -> dict[str, dict[str, float]]:
     """Host microseconds of one ``cudaGraphLaunch`` and device microseconds of the replayed graph,
     for the batch-1 graphs (decode, and verification when captured)."""
-    from kvforge.cuda_graphs import uniform_layout
+    from kvforge.rank.cuda_graphs import uniform_layout
     g = eng.runner.graphs
     out = {}
     for (size, q) in [k for k in g.graphs if k[0] == 1]:

@@ -20,7 +20,7 @@ import time
 
 
 def make_llm(args: argparse.Namespace):
-    from kvforge.model_config import ModelConfig
+    from kvforge.model.config import ModelConfig
 
     mc = ModelConfig.from_preset(args.preset)
     if args.engine == "kvforge":

@@ -14,10 +14,10 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams
 
 def __getattr__(name):  # keep `import kvforge` light: torch-heavy parts load on first use
     if name in ("BeamSearchParams", "BeamSearchOutput"):
-        from kvforge import beam_search
+        from kvforge.engine import beam_search
         return getattr(beam_search, name)
     if name == "LLM":
-        from kvforge.llm import LLM
+        from kvforge.engine.llm import LLM
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
         from kvforge import outputs
@@ -29,6 +29,6 @@ def __getattr__(name):  # keep `import kvforge` light: torch-heavy parts load on
         from kvforge.lora.request import LoRARequest
         return LoRARequest
     if name == "LLMEngine":
-        from kvforge.engine import LLMEngine
+        from kvforge.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(f"module 'kvforge' has no attribute {name!r}")

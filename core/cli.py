@@ -111,7 +111,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kvforge.model import capabilities_of
+    from kvforge.model.interface import capabilities_of
     from kvforge.plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()

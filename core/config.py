@@ -180,7 +180,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.speculative_config is not None:
-            from kvforge.speculative import SpeculativeConfig
+            from kvforge.spec_decode.policy import SpeculativeConfig
             SpeculativeConfig.from_dict(self.speculative_config)
         if not isinstance(self.plugins, dict) or not all(isinstance(v, dict) for v in self.plugins.values()):
             raise ValueError("plugins must map component names to option tables")

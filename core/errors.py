@@ -49,7 +49,7 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """What an :class:`~kvforge.async_engine.AsyncLLMEngine` stream raises when its request failed."""
+    """What an :class:`~kvforge.engine.async_engine.AsyncLLMEngine` stream raises when its request failed."""
 
     def __init__(self, failure: RequestFailure):
         super().__init__(failure.message)

@@ -91,7 +91,7 @@ def register_drafters(register: Register) -> None:
     """Register speculative-decoding drafters by name.
 
     :param register: call ``register(name, target)``; ``target`` is a subclass of
-        :class:`kvforge.drafter.Drafter` or a ``"module:Class"`` string naming one.
+        :class:`kvforge.spec_decode.drafter.Drafter` or a ``"module:Class"`` string naming one.
     :return: nothing; results are ignored.
 
     Called once per process when the plugin manager loads. Drafters are looked up by name through the
@@ -118,7 +118,7 @@ def register_models(register: Register) -> None:
 
     :param register: call ``register(architecture, target)``, e.g.
         ``register("LlamaForCausalLM", "kvforge.plugins.models.llama:LlamaForCausalLM")``; ``target`` is
-        an ``nn.Module`` class following :class:`kvforge.model.CausalLM`.
+        an ``nn.Module`` class following :class:`kvforge.model.interface.CausalLM`.
     :return: nothing; results are ignored.
 
     Called once per process when the plugin manager loads. The architecture listed in the model's
@@ -131,7 +131,7 @@ def register_executors(register: Register) -> None:
     """Register executors (how an engine reaches its ranks) by name.
 
     :param register: call ``register(name, target)``; ``target`` is a subclass of
-        :class:`kvforge.executor.Executor` or a ``"module:Class"`` string naming one.
+        :class:`kvforge.rank.executor.Executor` or a ``"module:Class"`` string naming one.
     :return: nothing; results are ignored.
 
     Called once per process when the plugin manager loads; the engine's
@@ -144,7 +144,7 @@ def register_quantization_methods(register: Register) -> None:
     """Register quantization methods (how linear layers store and apply their weights) by name.
 
     :param register: call ``register(name, target)``; ``target`` is a subclass of
-        :class:`kvforge.quantization.QuantizationMethod` or a ``"module:Class"`` string naming one.
+        :class:`kvforge.model.quantization.QuantizationMethod` or a ``"module:Class"`` string naming one.
     :return: nothing; results are ignored.
 
     Called once per process when the plugin manager loads; the engine's ``quantization`` option
@@ -181,7 +181,7 @@ def register_reasoning_parsers(register: Register) -> None:
 
 @hookspec
 def engine_created(engine: Any) -> None:
-    """Called once when an :class:`kvforge.engine.LLMEngine` has been fully built.
+    """Called once when an :class:`kvforge.engine.llm_engine.LLMEngine` has been fully built.
 
     :param engine: the engine; plugins may read its config and components or attach observers.
     :return: nothing; results are ignored.

@@ -55,7 +55,7 @@ class Request:
     cache_salt: str | None = None  # extra key of the prefix-cache hashes (isolates tenants)
     lora_request: Any = None  # kvforge.LoRARequest: the adapter the request runs under (None: the base model)
     bad_words_token_ids: list[list[int]] | None = None  # tokenized SamplingParams.bad_words
-    grammar: Any = None  # structured-output state (kvforge.structured_output.GrammarState)
+    grammar: Any = None  # structured-output state (kvforge.engine.structured_output.GrammarState)
     # n > 1: sample 0 computes the prompt once; when its prefill completes, these samples take its
     # blocks by reference (copy-on-write) and draw their first tokens from the same logits.
     forks: list["Request"] = field(default_factory=list)

@@ -9,7 +9,7 @@ import torch
 from kvforge.request import Request
 
 if TYPE_CHECKING:
-    from kvforge.rejection_sampler import TargetDistribution
+    from kvforge.spec_decode.rejection_sampler import TargetDistribution
 
 #: the token a sampler returns for a row where no token can be sampled: every logit is -inf (the
 #: request's masks exclude the whole vocabulary) or one is NaN. The engine fails that request (a 400).
@@ -74,7 +74,7 @@ class Sampler(ABC):
 
     def target(self, logits: torch.Tensor, state: Any) -> "TargetDistribution":
         """The distribution :meth:`sample` would draw from at each row, for speculative decoding's
-        rejection sampler (``kvforge.rejection_sampler``): greedy tokens, probabilities after every
+        rejection sampler (``kvforge.spec_decode.rejection_sampler``): greedy tokens, probabilities after every
         transformation, rows with nothing to sample, and the seeded rows' generators. Rows may be
         :class:`DraftRow` views. A sampler without it cannot be used with a drafter."""
         raise NotImplementedError(f"sampler {self.name!r} does not implement target(), which speculative "

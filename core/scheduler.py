@@ -25,7 +25,7 @@ class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    # NOTE: the runner runs the swaps before any other cache write of the step (see kvforge.swap)
+    # NOTE: the runner runs the swaps before any other cache write of the step (see kvforge.rank.swap)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block)
     preempted: list[Request] = field(default_factory=list)

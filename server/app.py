@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 import kvforge
-from kvforge.engine_client import EngineClient
+from kvforge.engine.client import EngineClient
 from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.server.auth import ApiKeyAuth
 from kvforge.server.body_limits import DEFAULT_BODY_TIMEOUT_S, BodyLimits

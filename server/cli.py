@@ -29,7 +29,7 @@ from kvforge.log_format import LOG_FORMATS
 
 if TYPE_CHECKING:
     from kvforge.config import EngineConfig
-    from kvforge.engine_client import EngineClient
+    from kvforge.engine.client import EngineClient
 
 logger = logging.getLogger("kvforge.server")
 
@@ -282,16 +282,16 @@ def _served_names(value: Any, index: int) -> list[str] | None:
 def build_engine(config: EngineConfig, data_parallel_size: int, in_process: bool,
                  step_timeout_s: float | None = None) -> EngineClient:
     """The engine ``serve`` runs for one model: data-parallel replicas, in this process, or (the default)
-    in an engine core process. ``step_timeout_s``: its step watchdog (``kvforge.watchdog``)."""
-    from kvforge.async_engine import AsyncLLMEngine
+    in an engine core process. ``step_timeout_s``: its step watchdog (``kvforge.engine.watchdog``)."""
+    from kvforge.engine.async_engine import AsyncLLMEngine
 
     if data_parallel_size > 1:
-        from kvforge.data_parallel import DataParallelEngine
+        from kvforge.engine.data_parallel import DataParallelEngine
 
         return DataParallelEngine(config, data_parallel_size, step_timeout_s=step_timeout_s)
     if in_process:
         return AsyncLLMEngine.from_config(config, step_timeout_s=step_timeout_s)
-    from kvforge.engine_process import EngineProcessClient
+    from kvforge.engine.process import EngineProcessClient
 
     return EngineProcessClient(config, step_timeout_s=step_timeout_s)
 
@@ -362,6 +362,7 @@ def _serve(args: argparse.Namespace, configs: list, app_options: dict[str, Any],
     serve on the same sockets until a shutdown; the exit status."""
     import uvicorn
 
+    from kvforge.engine.watchdog import DEFAULT_STEP_TIMEOUT_S
     from kvforge.server.app import create_app
     from kvforge.server.connections import (
         DEFAULT_HEADER_TIMEOUT_S,
@@ -370,7 +371,6 @@ def _serve(args: argparse.Namespace, configs: list, app_options: dict[str, Any],
         guarded_protocol,
     )
     from kvforge.server.http_server import CLOSE_GRACE_S, Server
-    from kvforge.watchdog import DEFAULT_STEP_TIMEOUT_S
 
     guard = ConnectionGuard(_positive("--header-timeout", args.header_timeout, DEFAULT_HEADER_TIMEOUT_S),
                             default_max_unauthenticated() if args.max_unauthenticated_connections is None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from kvforge.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvforge.engine_client import EngineClient
+    from kvforge.engine.client import EngineClient
     from kvforge.server.openai_api import OpenAIServing
 
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from kvforge.engine_client import EngineClient
+from kvforge.engine.client import EngineClient
+from kvforge.engine.input_checks import check_extra_args
 from kvforge.errors import EngineDeadError, RequestFailedError
-from kvforge.input_checks import check_extra_args
 from kvforge.server.chat_output import ChoiceOutput
 from kvforge.server.disconnect import AbortingStreamingResponse
 from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
@@ -344,7 +344,7 @@ class OpenAIServing:
 
     def check_xargs(self, params: Any) -> None:
         """``vllm_xargs``: every key taken by a logits processor the request enables, every value valid
-        for its options (``kvforge.input_checks.check_extra_args``): else a 400 naming the key."""
+        for its options (``kvforge.engine.input_checks.check_extra_args``): else a 400 naming the key."""
         if params.extra_args:
             try:
                 check_extra_args(params, field="vllm_xargs")

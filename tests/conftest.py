@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from kvforge.model_loader import default_model_path
+    from kvforge.model.loader import default_model_path
     return default_model_path()
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvforge import LLM, SamplingParams, quantization
 from kvforge.attention import BatchLayout
-from kvforge.model_loader import default_model_path, load_model, load_model_config, resolve_model_source
+from kvforge.model.loader import default_model_path, load_model, load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.tokenizer import load_tokenizer

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from kvforge.model_loader import iter_weights, load_model_config, resolve_model_source
+from kvforge.model.loader import iter_weights, load_model_config, resolve_model_source
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]

@@ -60,7 +60,7 @@ def test_configuration_md_lists_every_engine_flag():
 
 
 def test_models_md_lists_every_registered_architecture_with_its_capabilities():
-    from kvforge.model import capabilities_of
+    from kvforge.model.interface import capabilities_of
     from kvforge.plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()

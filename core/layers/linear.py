@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge import parallel_state, quantization
 from kvforge.layers.weights import check_shape
+from kvforge.model import quantization
+from kvforge.rank import parallel_state
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _axis(param: nn.Parameter, kind: str) -> tuple[int | None, int]:
 
 class LinearBase(nn.Module):
     """What column- and row-parallel layers share: parameters laid out by :data:`Dim` specs, each
-    with a loader that keeps this rank's slice, and a quantization method (``kvforge.quantization``).
+    with a loader that keeps this rank's slice, and a quantization method (``kvforge.model.quantization``).
     Built inside ``quantization.building(method)``, the full-precision weight waits on the meta
     device until ``quantization.attach_all`` gives the layer its method."""
 
@@ -176,7 +177,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections fused (shard ids "q", "k", "v"), split by attention head as
-    :func:`kvforge.parallel_state.head_shard` says; ``shard`` is this rank's heads."""
+    :func:`kvforge.rank.parallel_state.head_shard` says; ``shard`` is this rank's heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp = parallel_state.current()

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvforge import parallel_state
 from kvforge.layers.weights import check_shape
+from kvforge.rank import parallel_state
 
 #: how router logits become (weights, experts): "softmax": softmax over all experts, then the top k
 #: (Mixtral, Qwen-MoE), renormalised when ``renormalize``; "topk_softmax": the top k logits, then a
@@ -85,7 +85,7 @@ class FusedMoE(nn.Module):
         self.w2 = self._param((e, h, n), (e, h, i))
         self.w13_bias = self._param((e, 2 * n), (e, 2 * i)) if bias else None
         self.w2_bias = self._param((e, h), (e, h)) if bias else None
-        from kvforge import quantization
+        from kvforge.model import quantization
 
         method = quantization.current()
         self.quant_method = method.moe_method(self) if method is not None else None  # ValueError if unsupported

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge import parallel_state
 from kvforge.layers.weights import check_shape
+from kvforge.rank import parallel_state
 
 
 class VocabParallelEmbedding(nn.Module):

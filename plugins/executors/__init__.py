@@ -5,6 +5,6 @@ from kvforge.hookspecs import hookimpl
 
 @hookimpl
 def register_executors(register):
-    register("uni", "kvforge.executor:UniExecutor")
+    register("uni", "kvforge.rank.executor:UniExecutor")
     register("mp", "kvforge.plugins.executors.multiproc:MultiprocExecutor")
     register("ray", "kvforge.plugins.executors.ray_executor:RayExecutor")

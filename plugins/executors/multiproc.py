@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from kvforge.errors import is_device_error
-from kvforge.executor import (
+from kvforge.rank.executor import (
     Executor,
     FailedCall,
     WorkerFailure,
@@ -39,8 +39,8 @@ from kvforge.executor import (
     start_driver,
     stop_processes,
 )
-from kvforge.step_input import StepInput
-from kvforge.worker import ForwardOutput, Worker, WorkerSpec
+from kvforge.rank.step_input import StepInput
+from kvforge.rank.worker import ForwardOutput, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 

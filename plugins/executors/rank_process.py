@@ -15,9 +15,9 @@ import traceback
 import torch
 
 from kvforge.errors import is_device_error
-from kvforge.executor import FailedCall
 from kvforge.log_format import configure_logging, inherited_format
-from kvforge.worker import Worker, WorkerSpec
+from kvforge.rank.executor import FailedCall
+from kvforge.rank.worker import Worker, WorkerSpec
 
 logger = logging.getLogger("kvforge.rank")
 

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import torch
 
 from kvforge.errors import is_device_error
-from kvforge.executor import Executor, FailedCall, WorkerFailure, check_calls, free_port, start_driver
-from kvforge.step_input import StepInput
-from kvforge.worker import ForwardOutput, Worker, WorkerSpec
+from kvforge.rank.executor import Executor, FailedCall, WorkerFailure, check_calls, free_port, start_driver
+from kvforge.rank.step_input import StepInput
+from kvforge.rank.worker import ForwardOutput, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kvforge.model import ModelCapabilities
-from kvforge.model_config import SLIDING, ModelConfig
+from kvforge.model.config import SLIDING, ModelConfig
+from kvforge.model.interface import ModelCapabilities
 from kvforge.plugins.models import fused_ops
 from kvforge.plugins.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from kvforge.layers.moe import FusedMoE
 from kvforge.layers.weights import check_shape
-from kvforge.model import ModelCapabilities
-from kvforge.model_config import ModelConfig
+from kvforge.model.config import ModelConfig
+from kvforge.model.interface import ModelCapabilities
 from kvforge.plugins.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 

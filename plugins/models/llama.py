@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from kvforge import parallel_state
 from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.layers import (
     MergedColumnParallelLinear,
@@ -29,9 +28,10 @@ from kvforge.layers import (
 )
 from kvforge.layers.moe import FusedMoE
 from kvforge.layers.vocab import vocab_parallel_logits
-from kvforge.model import ModelCapabilities
-from kvforge.model_config import ModelConfig
+from kvforge.model.config import ModelConfig
+from kvforge.model.interface import ModelCapabilities
 from kvforge.plugins.models import fused_ops
+from kvforge.rank import parallel_state
 
 #: checkpoint module name -> (fused module name, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -201,7 +201,7 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.attn = attn  # shared by all layers; not a module
         hd = self.head_dim = config.head_dim
-        # rows: q | k | v of this rank's heads (kvforge.parallel_state.head_shard)
+        # rows: q | k | v of this rank's heads (kvforge.rank.parallel_state.head_shard)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.attention_bias)
         shard = self.qkv_proj.shard

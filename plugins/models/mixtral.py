@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kvforge.layers.moe import FusedMoE
-from kvforge.model import ModelCapabilities
-from kvforge.model_config import ModelConfig
+from kvforge.model.config import ModelConfig
+from kvforge.model.interface import ModelCapabilities
 from kvforge.plugins.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 

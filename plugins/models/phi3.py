@@ -9,7 +9,7 @@ as in transformers.
 """
 from __future__ import annotations
 
-from kvforge.model import ModelCapabilities
+from kvforge.model.interface import ModelCapabilities
 from kvforge.plugins.models.llama import LlamaForCausalLM
 
 

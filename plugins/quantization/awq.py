@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.model.quantization import LinearMethod, QuantizationMethod, ignored
 from kvforge.plugins.quantization.int4 import AWQ_ORDER, Int4LinearMethod, check_group_size, group_dim, unpack_cols
-from kvforge.quantization import LinearMethod, QuantizationMethod, ignored
 
 
 class AwqLinear(Int4LinearMethod):

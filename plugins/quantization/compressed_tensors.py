@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvforge.model.quantization import LinearMethod, QuantizationMethod
 from kvforge.plugins.quantization.fp8 import Fp8LinearMethod
 from kvforge.plugins.quantization.int4 import Int4LinearMethod, check_group_size, group_dim, unpack_cols, unpack_rows
-from kvforge.quantization import LinearMethod, QuantizationMethod
 
 SUPPORTED = ("FP8 W8A8 (float-quantized: 8-bit float weights, per-channel or per-tensor, with dynamic per-token "
              "or static per-tensor 8-bit float activations) and INT4 W4A16 (pack-quantized: 4-bit int weights, "

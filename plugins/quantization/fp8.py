@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvforge.quantization import LinearMethod, QuantizationMethod, ignored
+from kvforge.model.quantization import LinearMethod, QuantizationMethod, ignored
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.model.quantization import LinearMethod, QuantizationMethod
 from kvforge.plugins.quantization.int4 import Int4LinearMethod, check_group_size, group_dim, unpack_cols, unpack_rows
-from kvforge.quantization import LinearMethod, QuantizationMethod
 
 
 class GptqLinear(Int4LinearMethod):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvforge.quantization import LinearMethod, QuantizationMethod
+from kvforge.model.quantization import LinearMethod, QuantizationMethod
 
 #: AWQ's GEMM layout: nibble ``i`` of an int32 holds output column ``8c + AWQ_ORDER[i]``
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -16,10 +16,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from kvforge.input_buffers import h2d
-from kvforge.rejection_sampler import TargetDistribution
+from kvforge.rank.input_buffers import h2d
 from kvforge.request import Request
 from kvforge.sampler import NO_TOKEN, Sampler
+from kvforge.spec_decode.rejection_sampler import TargetDistribution
 
 
 @dataclass
@@ -76,7 +76,7 @@ class DefaultSampler(Sampler):
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
             st.penalties = self._penalty_tensors(requests)
         if any(r.grammar is not None for r in requests):
-            from kvforge.structured_output import grammar_bitmask_applier
+            from kvforge.engine.structured_output import grammar_bitmask_applier
             st.grammar = grammar_bitmask_applier(requests, vocab, dev)
         if self.get_processor is not None and any(p.logits_processors for p in params):
             names = sorted({n for p in params for n in (p.logits_processors or [])})

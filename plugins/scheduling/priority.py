@@ -15,7 +15,7 @@ policy, with the reasons, is in docs/scheduling.md):
 
 ``preemption_mode``: ``recompute`` frees the blocks (fcfs's way); ``swap`` moves them to the CPU
 pool (status SWAPPED, ``num_computed_tokens`` kept), or recomputes when the pool lacks room.
-NOTE: no request is swapped both ways in one step (``kvforge.swap`` could not order the copies):
+NOTE: no request is swapped both ways in one step (``kvforge.rank.swap`` could not order the copies):
 one swapped in and then preempted in the same step is recomputed, its swap-in cancelled, and one
 swapped out waits for the next step to come back.
 
@@ -176,7 +176,7 @@ class PriorityScheduler(FCFSScheduler):
             if waiting_head is not None and self.key(waiting_head) < self.key(req):
                 break
             # NOTE: a request swapped out in this step stays out: its blocks reach the pool only
-            # when the runner copies them (kvforge.swap)
+            # when the runner copies them (kvforge.rank.swap)
             if req.request_id in self._swap_out or not self._fits(req):
                 break
             pairs = self.kv_cache.swap_in(req.request_id)

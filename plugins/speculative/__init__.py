@@ -1,4 +1,4 @@
-"""Built-in speculative drafters (the ``Drafter`` contract lives in ``kvforge.drafter``)."""
+"""Built-in speculative drafters (the ``Drafter`` contract lives in ``kvforge.spec_decode.drafter``)."""
 from kvforge.hookspecs import hookimpl
 
 

@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvforge import quantization
 from kvforge.attention import BatchLayout
 from kvforge.builder import select_attention_backend
-from kvforge.drafter import DraftBatch, Drafter, DraftProposal
-from kvforge.input_buffers import HostInputs, h2d
-from kvforge.model import attention_features
-from kvforge.model_loader import load_model, load_model_config, resolve_model_source
+from kvforge.model import quantization
+from kvforge.model.interface import attention_features
+from kvforge.model.loader import load_model, load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
+from kvforge.rank.input_buffers import HostInputs, h2d
+from kvforge.spec_decode.drafter import DraftBatch, Drafter, DraftProposal
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class DraftModelDrafter(Drafter):
         self.max_blocks = -(-max_model_len // block_size)
         if (self.device.type == "cuda" and not self.enforce_eager
                 and type(self.attn).capabilities.supports_cuda_graphs):
-            from kvforge.cuda_graphs import CUDAGraphRunner
+            from kvforge.rank.cuda_graphs import CUDAGraphRunner
 
             # q=1: the decode steps, and a catch-up of one new token; q=2: a catch-up after a fully
             # accepted run (the last draft and the target's bonus token)

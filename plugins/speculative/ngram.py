@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.drafter import DraftBatch, Drafter, DraftProposal
+from kvforge.spec_decode.drafter import DraftBatch, Drafter, DraftProposal
 
 
 @dataclass

@@ -63,7 +63,7 @@ def test_percentile_edges_and_summary():
 
 
 def test_roofline_matches_documented_h200_estimate():
-    from kvforge.model_config import ModelConfig
+    from kvforge.model.config import ModelConfig
 
     mc = ModelConfig.from_preset("llama-3-8b")
     workload = [BenchRequest([i, 1] + [0] * 510, 256) for i in range(256)]
@@ -309,7 +309,7 @@ def test_benchmarks_md_names_every_bench_flag():
 
 def test_moe_roofline_counts_the_experts_a_step_reads():
     from kvforge.bench.metrics import active_layer_params, experts_touched
-    from kvforge.model_config import ModelConfig
+    from kvforge.model.config import ModelConfig
 
     mc = ModelConfig.from_preset("qwen3-30b-a3b")
     attn = mc.hidden_size * (32 * 128 + 2 * 4 * 128) + 32 * 128 * mc.hidden_size

@@ -10,7 +10,7 @@ import torch
 
 from kvforge.bench.vllm_peer import BACKEND_LINE, VllmPeer, attention_backend
 from kvforge.bench.workloads import make_workload
-from kvforge.model_config import ModelConfig
+from kvforge.model.config import ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE = os.path.join(HERE, "fake_vllm")
@@ -92,7 +92,7 @@ def test_real_weights_are_not_redrawn(tmp_path):
 
 def test_dummy_preset_becomes_a_config_directory(tmp_path):
     from kvforge.bench.vllm_peer import llm_kwargs
-    from kvforge.model_loader import resolve_model_source
+    from kvforge.model.loader import resolve_model_source
 
     mc = ModelConfig.from_preset("llama-3-8b")
     kwargs = llm_kwargs(resolve_model_source("dummy:llama-3-8b"), mc, torch.bfloat16, 0, str(tmp_path))

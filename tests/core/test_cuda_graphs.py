@@ -1,6 +1,6 @@
 import numpy as np
 
-from kvforge.cuda_graphs import capture_sizes, decode_layout
+from kvforge.rank.cuda_graphs import capture_sizes, decode_layout
 
 
 def test_capture_sizes():

@@ -1,14 +1,14 @@
-"""Every front end the server can hold is an ``EngineClient`` (``kvforge.engine_client``)."""
+"""Every front end the server can hold is an ``EngineClient`` (``kvforge.engine.client``)."""
 from __future__ import annotations
 
 import inspect
 
 import pytest
 
-from kvforge.async_engine import AsyncLLMEngine
-from kvforge.data_parallel import DataParallelEngine
-from kvforge.engine_client import EngineClient, protocol_members
-from kvforge.engine_process import EngineProcessClient
+from kvforge.engine.async_engine import AsyncLLMEngine
+from kvforge.engine.client import EngineClient, protocol_members
+from kvforge.engine.data_parallel import DataParallelEngine
+from kvforge.engine.process import EngineProcessClient
 
 FRONT_ENDS = [AsyncLLMEngine, EngineProcessClient, DataParallelEngine]
 #: what each front end sets in its constructor rather than on the class

@@ -1,11 +1,11 @@
-"""The typed messages of the engine core process boundary (``kvforge.engine_messages``)."""
+"""The typed messages of the engine core process boundary (``kvforge.engine.messages``)."""
 from __future__ import annotations
 
 import pickle
 
 import pytest
 
-from kvforge.engine_messages import (
+from kvforge.engine.messages import (
     ENGINE_CALLS,
     AddLora,
     CheckStructuredOutputs,

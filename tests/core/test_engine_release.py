@@ -60,8 +60,8 @@ def test_a_dropped_llm_is_collected_with_everything_it_holds():
 def test_an_async_engine_releases_only_the_engine_it_owns():
     """A front end built from a config owns its engine and gives its memory back at shutdown; one that
     wraps a borrowed engine (an ``LLM``'s) leaves it to its owner, which can still generate."""
-    from kvforge.async_engine import AsyncLLMEngine
     from kvforge.config import EngineConfig
+    from kvforge.engine.async_engine import AsyncLLMEngine
 
     llm = LLM("dummy:tiny", **ENGINE)
     borrowed = AsyncLLMEngine(llm.llm_engine)

@@ -8,7 +8,7 @@ import torch
 
 import kvforge
 from kvforge import LLM, SamplingParams
-from kvforge.engine import NOTHING_TO_SAMPLE
+from kvforge.engine.llm_engine import NOTHING_TO_SAMPLE
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.sampler import NO_TOKEN, LogitsProcessor
 
@@ -129,7 +129,7 @@ def test_a_failing_request_with_n_samples_fails_whole_and_frees_its_blocks(tiny_
 
 
 def test_a_raising_stop_string_check_fails_only_its_request(tiny_llm, monkeypatch, check_no_blocks):
-    from kvforge.output_processor import OutputProcessor
+    from kvforge.engine.output_processor import OutputProcessor
 
     real = OutputProcessor._update_text
 
@@ -227,7 +227,7 @@ def test_a_bad_word_that_tokenizes_to_nothing_is_refused(tiny_llm, monkeypatch):
 
 
 def test_prompt_logprobs_in_slices_match_all_at_once(tiny_llm, monkeypatch):
-    import kvforge.worker as mr
+    import kvforge.rank.worker as mr
 
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     prompt = list(range(10, 60))

@@ -11,8 +11,8 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from kvforge import LLM, SamplingParams
-from kvforge.model_config import FULL, SLIDING
-from kvforge.model_loader import GGUFFile, _gguf_reader, iter_weights, load_model_config, resolve_model_source
+from kvforge.model.config import FULL, SLIDING
+from kvforge.model.loader import GGUFFile, _gguf_reader, iter_weights, load_model_config, resolve_model_source
 
 MAX_TOKENS = 16
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "brown", "pink"]

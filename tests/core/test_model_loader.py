@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge import model_loader
 from kvforge.attention import BatchLayout
-from kvforge.model_config import PRESETS, ModelConfig
-from kvforge.model_loader import (
+from kvforge.model import loader as model_loader
+from kvforge.model.config import PRESETS, ModelConfig
+from kvforge.model.loader import (
     ModelSource,
     default_model_path,
     gguf_to_hf_name,

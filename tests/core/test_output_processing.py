@@ -94,8 +94,8 @@ def test_logprob_limits(tiny_llm):
 def test_prompt_logprobs_come_from_the_prefill_forwards_in_bounded_slices(tiny_llm, monkeypatch, chunk):
     # Prompt logprobs add no forward: each prompt chunk's forward also gives its positions' logits, at
     # most prompt_logprobs_rows at a time, with one log-softmax / top-k per slice (none per position).
-    import kvforge.model_runner as model_runner
-    import kvforge.worker as worker
+    import kvforge.rank.model_runner as model_runner
+    import kvforge.rank.worker as worker
 
     engine = tiny_llm.llm_engine
     monkeypatch.setattr(worker, "PROMPT_LOGPROBS_SLICE_BYTES", engine.model_config.vocab_size * 12 * 7)

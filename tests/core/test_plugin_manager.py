@@ -52,12 +52,12 @@ def test_every_registration_hook(pm):
     plugin = fake_plugin(
         register_samplers=lambda register: register("fake_sampler", FakeSampler),
         register_kv_cache_managers=lambda register: register("fake_kv", "kvforge.plugins.kv_cache.paged:PagedKVCacheManager"),
-        register_drafters=lambda register: register("fake_drafter", "kvforge.drafter:Drafter"),
+        register_drafters=lambda register: register("fake_drafter", "kvforge.spec_decode.drafter:Drafter"),
         register_models=lambda register: register("FakeForCausalLM", "kvforge.plugins.models.llama:LlamaForCausalLM"),
         register_attention_backends=lambda register: register("fake_attn", "kvforge.plugins.attention.torch_backend:TorchAttentionBackend"),
         register_schedulers=lambda register: register("fake_sched", "kvforge.plugins.scheduling.fcfs:FCFSScheduler"),
         register_logits_processors=lambda register: register("fake_lp", "kvforge.sampler:LogitsProcessor"),
-        register_executors=lambda register: register("fake_exec", "kvforge.executor:UniExecutor"),
+        register_executors=lambda register: register("fake_exec", "kvforge.rank.executor:UniExecutor"),
         register_quantization_methods=lambda register: register(
             "fake_quant", "kvforge.plugins.quantization.fp8:Fp8Quantization"),
         register_tool_parsers=lambda register: register("fake_tools", "kvforge.tool_parsing:ToolParser"),

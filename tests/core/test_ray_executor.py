@@ -55,7 +55,7 @@ def _dead(actor) -> bool:
 
 
 def test_ray_cluster_too_small_says_so(cluster):
-    from kvforge.executor import WorkerFailure
+    from kvforge.rank.executor import WorkerFailure
 
     # 9 query heads over 3 KV heads split over 3 ranks; the cluster has 2 CPUs
     with pytest.raises(WorkerFailure, match="cannot be placed: the Ray cluster has no room for 3 bundles of one "

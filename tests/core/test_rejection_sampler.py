@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.rejection_sampler import TargetDistribution, rejection_sample
 from kvforge.sampler import NO_TOKEN
+from kvforge.spec_decode.rejection_sampler import TargetDistribution, rejection_sample
 
 V = 6
 N = 200_000  # draws per case
@@ -128,7 +128,7 @@ def test_a_uniform_batch_verifies_as_with_explicit_rows(greedy):
 def test_the_graph_head_verifies_a_uniform_greedy_step():
     """``greedy_verify_head`` (captured in CUDA graphs) emits each sequence's greedy tokens up to its
     first wrong draft, and NO_TOKEN from an unsampleable row on."""
-    from kvforge.cuda_graphs import greedy_verify_head
+    from kvforge.rank.cuda_graphs import greedy_verify_head
 
     class Identity(torch.nn.Module):
         def compute_logits(self, hidden):

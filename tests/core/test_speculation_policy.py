@@ -1,5 +1,5 @@
 """The speculation policy (docs/speculative.md#the-policy): drafts only where they pay."""
-from kvforge.speculative import SpeculationPolicy
+from kvforge.spec_decode.policy import SpeculationPolicy
 
 
 def _policy(mode="auto", acceptance=0.9, **kw):

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvforge import LLM, SamplingParams
+from kvforge.engine.structured_output import check_local_refs
 from kvforge.sampling_params import StructuredOutputsParams as SO
-from kvforge.structured_output import check_local_refs
 
 #: ~0.7 s to compile on this machine: far over a 50 ms limit
 SLOW_SCHEMA = {"enum": [f"value-{i}" for i in range(20000)]}

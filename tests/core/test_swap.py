@@ -4,8 +4,8 @@ import torch
 
 from kvforge.attention import as_bytes
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
-from kvforge.swap import copy_blocks_each
-from kvforge.worker import Worker
+from kvforge.rank.swap import copy_blocks_each
+from kvforge.rank.worker import Worker
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvforge import LLM, SamplingParams
-from kvforge.executor import WorkerFailure
+from kvforge.rank.executor import WorkerFailure
 from kvforge.sampling_params import StructuredOutputsParams
 
 PREFIX = "You are a terse assistant. Answer in one short sentence, then stop. Question: "
@@ -177,7 +177,7 @@ def test_a_call_that_raises_on_every_rank_fails_alone_and_the_ranks_live_on(tp2)
 
 
 def test_a_rank_s_failed_call_is_a_rank_call_error_naming_the_first_rank():
-    from kvforge.executor import FailedCall, RankCallError, check_calls
+    from kvforge.rank.executor import FailedCall, RankCallError, check_calls
 
     assert check_calls("m", {1: "b", 0: "a"}) == ["a", "b"]
     with pytest.raises(RankCallError, match=r"^rank 1: m failed: OSError: unreadable$"):

@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kvforge import parallel_state, quantization
 from kvforge.attention import BatchLayout
-from kvforge.model_config import ModelConfig
-from kvforge.model_loader import load_model, load_model_config, resolve_model_source
-from kvforge.parallel_state import HeadShard, head_shard, split
+from kvforge.model import quantization
+from kvforge.model.config import ModelConfig
+from kvforge.model.loader import load_model, load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
+from kvforge.rank import parallel_state
+from kvforge.rank.parallel_state import HeadShard, head_shard, split
 
 PROMPTS = [[1, 504, 3213, 314, 253, 1167, 30], [1, 9, 88, 1000, 4, 47, 12, 19, 2000, 31]]
 BLOCK = 16

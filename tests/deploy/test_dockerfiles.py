@@ -87,7 +87,7 @@ def test_the_build_context_holds_the_package_and_nothing_else():
     for path in (".git/HEAD", ".venv/bin/python", "tests/conftest.py", "docs/server.md", "deploy/compose.yaml",
                  "core/__pycache__/engine.cpython-311.pyc", "kvforge.egg-info/PKG-INFO"):
         assert ignored(path, patterns), f"{path} would be sent to the builder"
-    assert not ignored("core/engine.py", patterns)
+    assert not ignored("core/engine/llm_engine.py", patterns)
 
 
 @pytest.mark.slow

@@ -91,8 +91,8 @@ def test_an_explicit_device_index_runs_there_from_the_engine_thread():
     kernels and graphs live there, and the tokens equal a run on the same device from this thread."""
     import asyncio
 
-    from kvforge.async_engine import AsyncLLMEngine
     from kvforge.config import EngineConfig
+    from kvforge.engine.async_engine import AsyncLLMEngine
 
     dev = f"cuda:{torch.cuda.device_count() - 1}"
     llm = LLM("dummy:tiny", device=dev, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)

@@ -4,8 +4,8 @@ reference's (the same FP8 operands dequantized and multiplied)."""
 import pytest
 import torch
 
-from kvforge import quantization
 from kvforge.layers import ColumnParallelLinear
+from kvforge.model import quantization
 from kvforge.plugins.quantization.fp8 import FP8, Fp8Quantization, dequantize_rows, quantize_rows
 
 pytestmark = [pytest.mark.gpu,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.model_loader import default_model_path
+from kvforge.model.loader import default_model_path
 from quantization_accuracy import reference_greedy, top1_agreement
 from quantized_checkpoints import write_checkpoint
 

@@ -6,7 +6,7 @@ import torch
 
 from kvforge import LLM, LoRARequest, SamplingParams
 from kvforge.bench.lora_adapters import write_adapter
-from kvforge.model_loader import load_model_config, resolve_model_source
+from kvforge.model.loader import load_model_config, resolve_model_source
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
-from kvforge.model_config import ModelConfig
+from kvforge.model.config import ModelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -96,7 +96,7 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from kvforge.model_loader import default_model_path
+    from kvforge.model.loader import default_model_path
     from kvforge.tokenizer import load_tokenizer
     return load_tokenizer(default_model_path())
 

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from kvforge import LLM, SamplingParams
-from kvforge.async_engine import EngineDeadError
 from kvforge.config import EngineConfig
-from kvforge.engine_process import EngineProcessClient
+from kvforge.engine.async_engine import EngineDeadError
+from kvforge.engine.process import EngineProcessClient
 from kvforge.sampling_params import StructuredOutputsParams
 
 ENGINE = dict(model="dummy:tiny", device="cpu", max_model_len=256, num_gpu_blocks_override=64)
@@ -124,7 +124,7 @@ def _core_children() -> list[int]:
                 cmd = f.read()
         except (OSError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[1]) == os.getpid() and b"kvforge.engine_core" in cmd:
+        if fields[0] != "Z" and int(fields[1]) == os.getpid() and b"kvforge.engine.core" in cmd:
             pids.append(int(entry))
     return pids
 

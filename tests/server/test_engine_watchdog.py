@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, wait_until
-from kvforge.model_loader import default_model_path
+from kvforge.model.loader import default_model_path
 
 STEP_TIMEOUT_S = 3.0
 #: tokens of each stream of the healthy model: enough to outlast the other's death (3-4 s) on a fast CPU
@@ -37,7 +37,7 @@ def engine_core_pids(server: ServerProcess) -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if ppid == server.proc.pid and b"kvforge.engine_core" in cmdline:
+        if ppid == server.proc.pid and b"kvforge.engine.core" in cmdline:
             pids.append(int(entry))
     return sorted(pids)
 

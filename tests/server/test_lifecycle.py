@@ -105,7 +105,7 @@ def test_server_app_created_hook_adds_a_route(tiny_llm):
     from fastapi.testclient import TestClient
 
     import kvforge
-    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.engine.async_engine import AsyncLLMEngine
     from kvforge.plugin_manager import get_plugin_manager
     from kvforge.server.app import create_app
 
@@ -131,7 +131,7 @@ def test_server_app_created_hook_adds_a_route(tiny_llm):
 def test_health_is_503_when_the_engine_died(tiny_llm):
     from fastapi.testclient import TestClient
 
-    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.engine.async_engine import AsyncLLMEngine
     from kvforge.server.app import create_app
 
     engine = AsyncLLMEngine(tiny_llm.llm_engine)

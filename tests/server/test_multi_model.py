@@ -240,7 +240,7 @@ def test_health_needs_every_engine_and_the_lifespan_runs_both(tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.engine.async_engine import AsyncLLMEngine
     from kvforge.server.app import create_app
 
     path = write(tmp_path, "two.yaml", """\

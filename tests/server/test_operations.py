@@ -107,7 +107,7 @@ def test_ready_is_503_while_the_engines_start_then_200(core_server):
 def test_ready_is_503_before_the_lifespan_starts_the_engine(tiny_llm):
     from fastapi.testclient import TestClient
 
-    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.engine.async_engine import AsyncLLMEngine
     from kvforge.server.app import create_app
 
     app = create_app(AsyncLLMEngine(tiny_llm.llm_engine), ["tiny"])
@@ -152,7 +152,7 @@ def test_a_missing_or_invalid_request_id_is_generated(core_server):
 def test_engine_requests_are_named_after_the_request_id_and_500s_carry_it(tiny_llm):
     from fastapi.testclient import TestClient
 
-    from kvforge.async_engine import AsyncLLMEngine
+    from kvforge.engine.async_engine import AsyncLLMEngine
     from kvforge.server.app import create_app
 
     engine = AsyncLLMEngine(tiny_llm.llm_engine)

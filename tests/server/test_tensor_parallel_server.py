@@ -34,7 +34,7 @@ def _cmdline(pid: int) -> bytes:
 
 def _server_processes(pid: int) -> tuple[list[int], list[int]]:
     """The server's engine core process and the ranks it spawned (its children)."""
-    cores = [c for c in _children(pid) if b"kvforge.engine_core" in _cmdline(c)]
+    cores = [c for c in _children(pid) if b"kvforge.engine.core" in _cmdline(c)]
     return cores, [r for c in cores for r in _children(c) if b"rank_process" in _cmdline(r)]
 
 

@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from kvforge.attention import BatchLayout
-from kvforge.model_config import ModelConfig
-from kvforge.model_loader import iter_weights, load_model, load_model_config, resolve_model_source
+from kvforge.model.config import ModelConfig
+from kvforge.model.loader import iter_weights, load_model, load_model_config, resolve_model_source
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 
 BLOCK_SIZE = 16

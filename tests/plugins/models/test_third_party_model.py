@@ -49,8 +49,8 @@ def test_kvforge_models_lists_the_third_party_architecture(dummy_plugin_installe
 def test_a_model_class_adds_the_attention_features_its_config_cannot_say():
     """A third-party model with sinks (or a soft cap) in a config kvforge does not know declares them, so
     that backend selection honours them: the class's features join the config's."""
-    from kvforge.model import attention_features
-    from kvforge.model_config import ModelConfig
+    from kvforge.model.config import ModelConfig
+    from kvforge.model.interface import attention_features
 
     class WithSinks:
         @classmethod

@@ -14,8 +14,8 @@ import torch
 
 from kvforge import LLM, quantization
 from kvforge.layers import ColumnParallelLinear
-from kvforge.model_config import ModelConfig
-from kvforge.model_loader import default_model_path
+from kvforge.model.config import ModelConfig
+from kvforge.model.loader import default_model_path
 from kvforge.plugins.quantization import int4
 from kvforge.plugins.quantization.compressed_tensors import CompressedTensorsQuantization
 from quantization_accuracy import mean_kl, passage_logits, reference_greedy, top1_agreement

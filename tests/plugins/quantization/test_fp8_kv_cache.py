@@ -9,7 +9,7 @@ import torch
 
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
-from kvforge.model_loader import load_model_config, resolve_model_source
+from kvforge.model.loader import load_model_config, resolve_model_source
 from quantization_accuracy import mean_kl, passage_logits, reference_greedy, top1_agreement
 
 FP8 = torch.float8_e4m3fn

@@ -40,7 +40,7 @@ def test_third_party_pre_quantized_checkpoint_loads_as_its_on_load_twin(dummy_pl
 
     from safetensors.torch import save_file
 
-    from kvforge.model_loader import default_model_path, iter_weights, load_model_config, resolve_model_source
+    from kvforge.model.loader import default_model_path, iter_weights, load_model_config, resolve_model_source
 
     src = resolve_model_source(None)
     tensors = {}

@@ -100,7 +100,7 @@ def test_extra_args_are_checked_against_the_enabled_processors_options(dummy_plu
     """A processor's request_options check its keys before the request is queued (a ValueError naming
     extra_args.<key>); from Python a key no processor declares passes through; a valid one is applied."""
     from kvforge import LLM
-    from kvforge.input_checks import check_extra_args
+    from kvforge.engine.input_checks import check_extra_args
 
     # an engine of its own: one built before the dummy plugin was installed does not know its processors
     tiny_llm = LLM("dummy:tiny", max_model_len=512, num_gpu_blocks_override=64, device="cpu")

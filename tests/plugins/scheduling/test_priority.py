@@ -41,7 +41,7 @@ class FakeCache:
         self.cpu = np.full((max(kv.num_cpu_blocks, 1), kv.block_size), -1)
 
     def run(self, out):
-        staged = [self.cpu[c].copy() for c, _ in out.blocks_to_swap_in]  # as kvforge.swap: sources first
+        staged = [self.cpu[c].copy() for c, _ in out.blocks_to_swap_in]  # as kvforge.rank.swap: sources first
         for d, c in out.blocks_to_swap_out:
             self.cpu[c] = self.dev[d]
         for (_, d), data in zip(out.blocks_to_swap_in, staged):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvforge.drafter import DraftBatch
 from kvforge.plugins.speculative.ngram import NgramDrafter, propose_ngram
 from kvforge.request import Request
 from kvforge.sampling_params import SamplingParams
+from kvforge.spec_decode.drafter import DraftBatch
 
 
 def _ctx(*tokens):

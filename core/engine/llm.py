@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from kvforge.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvforge.config import EngineConfig
-from kvforge.engine import LLMEngine
+from kvforge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from kvforge.engine.llm_engine import LLMEngine
 from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams

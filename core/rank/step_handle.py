@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kvforge.errors import RequestFailure
-from kvforge.input_buffers import d2h
+from kvforge.rank.input_buffers import d2h
 from kvforge.scheduler import ModelRunnerOutput, TokenLogprobs
 
 

@@ -3,14 +3,14 @@
 The boundary is message-shaped: the front end sends ``("add", parent, children)`` and
 ``("abort", request_id)`` messages into an inbox; the engine thread drains it between steps and
 hands each step's ``RequestOutput`` deltas over in one call (:meth:`AsyncLLMEngine._emit`). Nothing
-else crosses, which is what lets ``kvforge.engine_core`` run the same loop in a process of its own,
-its outputs going to a connection instead of to queues (``kvforge.engine_process``).
+else crosses, which is what lets ``kvforge.engine.core`` run the same loop in a process of its own,
+its outputs going to a connection instead of to queues (``kvforge.engine.process``).
 
 Failures (docs/reliability.md): a request that fails on its own ends with ``RequestOutput.error``
 and its stream raises :class:`~kvforge.errors.RequestFailedError`; every other stream carries on. An
 exception that escapes a step is device-wide: the engine is dead, every stream raises
 :class:`EngineDeadError` at once, and :attr:`AsyncLLMEngine.dead` is set for whoever must react
-(the server stops). With ``step_timeout_s`` a :class:`~kvforge.watchdog.StepWatchdog` does the same for
+(the server stops). With ``step_timeout_s`` a :class:`~kvforge.engine.watchdog.StepWatchdog` does the same for
 a loop that stops making progress (a step that never ends).
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ import threading
 from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
-from kvforge.engine import LLMEngine
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.request_streams import RequestStreams, StreamingFront
+from kvforge.engine.watchdog import IDLE_BEAT_S, StepWatchdog
 from kvforge.errors import EngineDeadError, RequestFailedError, RequestFailure, is_device_error
 from kvforge.outputs import RequestOutput
-from kvforge.request_streams import RequestStreams, StreamingFront
 from kvforge.sampling_params import SamplingParams
-from kvforge.watchdog import IDLE_BEAT_S, StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class AsyncLLMEngine(StreamingFront):
         self._inbox.put(message)
         self._wakeup.set()
 
-    # -- hand-overs from the engine thread (``kvforge.engine_core`` sends them to its front end) -----
+    # -- hand-overs from the engine thread (``kvforge.engine.core`` sends them to its front end) -----
     def _emit(self, items: list[tuple[str, Any]]) -> None:
         """A step's outputs, or a request's error, to the requests' streams (one wake-up per step)."""
         self.streams.post_many(items)
@@ -166,7 +166,7 @@ class AsyncLLMEngine(StreamingFront):
         """A request was aborted (on the engine thread): none of its outputs come after this."""
 
     def _beat(self) -> None:
-        """The loop is alive: it finished a step or an idle wait (``kvforge.engine_core`` tells its front end)."""
+        """The loop is alive: it finished a step or an idle wait (``kvforge.engine.core`` tells its front end)."""
         if self.watchdog is not None:
             self.watchdog.beat()
 

@@ -10,30 +10,30 @@ from typing import Any
 
 import torch
 
-from kvforge import quantization
 from kvforge.builder import component, validate_plugin_tables
 from kvforge.config import EngineConfig
-from kvforge.drafter import Drafter
+from kvforge.engine.input_checks import bad_words_token_ids, check_request, tokenize_prompt
+from kvforge.engine.output_processor import OutputProcessor, ParentState
+from kvforge.engine.structured_output import StructuredOutputManager
 from kvforge.errors import RequestFailure, is_device_error
-from kvforge.executor import Executor, default_backend
-from kvforge.input_checks import bad_words_token_ids, check_request, tokenize_prompt
 from kvforge.lora.registry import LoRARegistry, check_lora_request
 from kvforge.lora.request import LoRARequest
-from kvforge.memory_budget import release_device_memory
-from kvforge.model_loader import load_model_config, resolve_model_source
-from kvforge.model_runner import ModelRunner
-from kvforge.output_processor import OutputProcessor, ParentState
+from kvforge.model import quantization
+from kvforge.model.loader import load_model_config, resolve_model_source
+from kvforge.model.tokenizer_source import tokenizer_for
 from kvforge.outputs import RequestMetrics, RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
+from kvforge.rank.executor import Executor, default_backend
+from kvforge.rank.memory_budget import release_device_memory
+from kvforge.rank.model_runner import ModelRunner
+from kvforge.rank.worker import WorkerSpec
 from kvforge.request import Request, RequestStatus
 from kvforge.sampler import NO_TOKEN
 from kvforge.sampling_params import SamplingParams
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
-from kvforge.spec_decode import SpecDecoder
-from kvforge.speculative import SpecDecodeStats
-from kvforge.structured_output import StructuredOutputManager
-from kvforge.tokenizer_source import tokenizer_for
-from kvforge.worker import WorkerSpec
+from kvforge.spec_decode.decoder import SpecDecoder
+from kvforge.spec_decode.drafter import Drafter
+from kvforge.spec_decode.policy import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import logging
 import threading
 from typing import Any, AsyncIterator
 
-from kvforge.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.config import EngineConfig
+from kvforge.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -74,8 +74,8 @@ class DataParallelEngine:
         except ImportError:
             raise ValueError("data_parallel_size > 1 needs Ray, which is not installed "
                              "(pip install 'kvforge[ray]')") from None
-        from kvforge.model_loader import load_model_config, resolve_model_source
-        from kvforge.tokenizer_source import tokenizer_for
+        from kvforge.model.loader import load_model_config, resolve_model_source
+        from kvforge.model.tokenizer_source import tokenizer_for
 
         self._ray, self.size, self.config = ray, size, config
         self._started_ray = not ray.is_initialized()

@@ -1,6 +1,6 @@
 """``ModelRunner``: the driver's side of a step: hands it to the executor's workers, then samples.
 
-The workers (``kvforge.worker``, through ``kvforge.executor``) run the forward and compute the
+The workers (``kvforge.rank.worker``, through ``kvforge.rank.executor``) run the forward and compute the
 logits of the sampled rows; the runner turns them into tokens with the sampler and the rejection
 sampler, in the engine process, where the requests live (docs/distributed.md).
 """
@@ -12,15 +12,15 @@ import numpy as np
 import torch
 
 from kvforge.errors import RequestFailure, is_device_error
-from kvforge.executor import Executor
-from kvforge.input_buffers import h2d
 from kvforge.kv_cache import KVCacheManager
-from kvforge.rejection_sampler import VerifiedTokens, rejection_sample
+from kvforge.rank.executor import Executor
+from kvforge.rank.input_buffers import h2d
+from kvforge.rank.step_handle import StepHandle, logprob_tensors
+from kvforge.rank.step_input import StepInput, StepInputBuilder, StepPlan
+from kvforge.rank.worker import ForwardOutput
 from kvforge.sampler import DraftRow, Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
-from kvforge.step_handle import StepHandle, logprob_tensors
-from kvforge.step_input import StepInput, StepInputBuilder, StepPlan
-from kvforge.worker import ForwardOutput
+from kvforge.spec_decode.rejection_sampler import VerifiedTokens, rejection_sample
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 import torch
 
 from kvforge.attention import AttentionBackend, AttentionMetadata
-from kvforge.model_config import ModelConfig
+from kvforge.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

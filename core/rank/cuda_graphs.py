@@ -149,8 +149,8 @@ class CUDAGraphRunner:
 def greedy_verify_head(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, n: int, q: int) -> torch.Tensor:
     """Greedy verification of a uniform step, as tensor ops of static shapes (captured in the graph):
     every sequence's q input ids are its own token and q - 1 drafts. Returns [n, q + 1] int64: the
-    emitted tokens (``kvforge.rejection_sampler`` semantics: NO_TOKEN padding), then their count."""
-    from kvforge.rejection_sampler import TargetDistribution, rejection_sample
+    emitted tokens (``kvforge.spec_decode.rejection_sampler`` semantics: NO_TOKEN padding), then their count."""
+    from kvforge.spec_decode.rejection_sampler import TargetDistribution, rejection_sample
 
     top, greedy = model.compute_logits(hidden).max(dim=-1)
     return rejection_sample(TargetDistribution(greedy, top > float("-inf")), ids.view(n, q)[:, 1:]).packed()

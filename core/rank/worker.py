@@ -1,7 +1,7 @@
 """``Worker``: one rank's shard of the model, its KV cache and CUDA graphs; runs each step's forward.
 
 A worker knows no request objects: it keeps a persistent batch (request id -> block table) and
-builds each step's layout from a ``StepInput`` (``kvforge.step_input``). Every rank runs the same
+builds each step's layout from a ``StepInput`` (``kvforge.rank.step_input``). Every rank runs the same
 forward and computes the same logits rows (a vocabulary-parallel LM head needs every rank); only
 the driver's results are used, by the sampler in the engine process (docs/distributed.md).
 """
@@ -16,17 +16,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvforge import parallel_state
 from kvforge.attention import BatchLayout
 from kvforge.config import EngineConfig
 from kvforge.errors import is_device_error
-from kvforge.input_buffers import HostInputs, StagingBuffers, h2d
-from kvforge.memory_budget import MemoryBaseline, kv_cache_budget
-from kvforge.model_config import ModelConfig
-from kvforge.model_loader import ModelSource, load_model
-from kvforge.step_handle import logprob_tensors
-from kvforge.step_input import StepInput
-from kvforge.swap import CPUSwapSpace
+from kvforge.model.config import ModelConfig
+from kvforge.model.loader import ModelSource, load_model
+from kvforge.rank import parallel_state
+from kvforge.rank.input_buffers import HostInputs, StagingBuffers, h2d
+from kvforge.rank.memory_budget import MemoryBaseline, kv_cache_budget
+from kvforge.rank.step_handle import logprob_tensors
+from kvforge.rank.step_input import StepInput
+from kvforge.rank.swap import CPUSwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Worker:
         self.spec, self.rank = spec, rank
         config, mc = spec.config, spec.model_config
         self.device = spec.device_for(rank if local_rank is None else local_rank)
-        self.memory_baseline = None  # kvforge.memory_budget.MemoryBaseline on CUDA: before anything of ours
+        self.memory_baseline = None  # kvforge.rank.memory_budget.MemoryBaseline on CUDA: before anything of ours
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self.memory_baseline = MemoryBaseline.take(self.device)
@@ -94,7 +94,7 @@ class Worker:
         dtype = config.torch_dtype
         pm = get_plugin_manager()
         kv_cache_dtype = config.torch_kv_cache_dtype
-        from kvforge.model import attention_features
+        from kvforge.model.interface import attention_features
 
         self.attn_name, self.attn_cls = select_attention_backend(
             pm, config.attention_backend, device=self.device, dtype=dtype, head_size=mc.head_dim,
@@ -105,7 +105,7 @@ class Worker:
                               num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim, scale=mc.attention_scale,
                               block_size=config.block_size, dtype=dtype, device=self.device,
                               kv_cache_dtype=kv_cache_dtype)
-        self.quant = None  # kvforge.quantization.QuantizationMethod
+        self.quant = None  # kvforge.model.quantization.QuantizationMethod
         if config.quantization is not None:
             self.quant = component(pm, "quantization_method", config.quantization, config,
                                    engine_config=config, model_config=mc)
@@ -239,7 +239,7 @@ class Worker:
     def profile_peak_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         """Peak bytes the process allocated during one forward of a full token budget plus sampling of a
         full batch, the profile's KV cache excluded (other engines' tensors in this process included:
-        ``kvforge.memory_budget`` subtracts them)."""
+        ``kvforge.rank.memory_budget`` subtracts them)."""
         bs = self.block_size
         seq_len = min(max_num_batched_tokens, max_model_len)
         num_seqs = -(-max_num_batched_tokens // seq_len)
@@ -272,7 +272,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int,
                          max_model_len: int) -> None:
-        """Allocate the KV cache and the step's staging buffers (``kvforge.input_buffers``)."""
+        """Allocate the KV cache and the step's staging buffers (``kvforge.rank.input_buffers``)."""
         self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.num_layers, self.first_layer)
         max_blocks = -(-max_model_len // self.block_size)
         self.staging = StagingBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
@@ -282,7 +282,7 @@ class Worker:
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> float:
         """Capture graphs of uniform steps (decode, and verification of ``query_lens`` tokens per
         sequence); returns the seconds. Every rank captures the same graphs in the same order."""
-        from kvforge.cuda_graphs import CUDAGraphRunner
+        from kvforge.rank.cuda_graphs import CUDAGraphRunner
 
         self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, device=self.device, query_lens=query_lens,
@@ -299,7 +299,7 @@ class Worker:
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy ``(device, cpu)`` blocks to the CPU pool and ``(cpu, device)`` blocks back, every layer.
 
-        NOTE: called before any other cache write of the step (see ``kvforge.swap``).
+        NOTE: called before any other cache write of the step (see ``kvforge.rank.swap``).
         """
         if swap_out or swap_in:
             if self.swap_space is None:

@@ -1,7 +1,7 @@
 """Speculative decoding in the engine: its configuration, the per-step policy and the counters.
 
-See docs/speculative.md for the design; the drafter contract is in ``kvforge.drafter`` and the
-verification in ``kvforge.rejection_sampler``.
+See docs/speculative.md for the design; the drafter contract is in ``kvforge.spec_decode.drafter`` and the
+verification in ``kvforge.spec_decode.rejection_sampler``.
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def tokenizer_for(config: Any, source: Any, model_config: Any) -> Any | None:
         return None
     if source.kind == "dummy":
         # The default model's tokenizer fits presets of its vocabulary (smollm2-135m, tiny).
-        from kvforge.model_loader import default_model_path
+        from kvforge.model.loader import default_model_path
         try:
             path = default_model_path()
         except ValueError:

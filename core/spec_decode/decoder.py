@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from kvforge.config import EngineConfig, build_options
-from kvforge.drafter import DraftBatch, Drafter
 from kvforge.kv_cache import KVCacheManager
 from kvforge.request import Request
 from kvforge.sampler import Sampler
 from kvforge.scheduler import SchedulerOutput
-from kvforge.speculative import SpecDecodeStats, SpeculationPolicy, SpeculativeConfig
+from kvforge.spec_decode.drafter import DraftBatch, Drafter
+from kvforge.spec_decode.policy import SpecDecodeStats, SpeculationPolicy, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""The engine core process of :class:`~kvforge.engine_process.EngineProcessClient`:
-``python -m kvforge.engine_core ADDRESS`` (the key in ``KVFORGE_CORE_AUTHKEY``).
+"""The engine core process of :class:`~kvforge.engine.process.EngineProcessClient`:
+``python -m kvforge.engine.core ADDRESS`` (the key in ``KVFORGE_CORE_AUTHKEY``).
 
 It connects back to the front end, receives the ``EngineConfig``, builds the engine and answers
 ``Ready`` (or ``StartFailed``), then serves the front end's messages until told to stop or the front
 end is gone. Requests are validated and tokenized on a small thread pool, never on the engine loop;
-each step's outputs cross in one message. The messages are ``kvforge.engine_messages``'s types.
+each step's outputs cross in one message. The messages are ``kvforge.engine.messages``'s types.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
-from kvforge.async_engine import AsyncLLMEngine
 from kvforge.config import EngineConfig
-from kvforge.engine import LLMEngine
-from kvforge.engine_messages import (
+from kvforge.engine.async_engine import AsyncLLMEngine
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.messages import (
     ENGINE_CALLS,
     AbortRequest,
     AddRequest,
@@ -40,9 +40,9 @@ from kvforge.engine_messages import (
 )
 from kvforge.log_format import configure_logging, inherited_format
 
-logger = logging.getLogger("kvforge.engine_core")
+logger = logging.getLogger("kvforge.engine.core")
 
-#: seconds between the loop's heartbeats to the front end (``kvforge.watchdog``) when it sends nothing else
+#: seconds between the loop's heartbeats to the front end (``kvforge.engine.watchdog``) when it sends nothing else
 BEAT_S = 0.5
 
 

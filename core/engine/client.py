@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from kvforge.config import EngineConfig
     from kvforge.lora.request import LoRARequest
-    from kvforge.model_loader import ModelSource
+    from kvforge.model.loader import ModelSource
     from kvforge.outputs import RequestOutput
     from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 

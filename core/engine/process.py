@@ -2,18 +2,18 @@
 
 ``kvforge serve`` serves through one of these (``--engine-in-process`` keeps the engine on a thread of
 the server's process instead). The server's process keeps HTTP, the chat template, tokenization for
-``/tokenize`` and the SSE streams; the engine core process (``python -m kvforge.engine_core``) builds
+``/tokenize`` and the SSE streams; the engine core process (``python -m kvforge.engine.core``) builds
 the ``LLMEngine`` (its ranks too), validates and tokenizes requests, schedules, runs the model and
 detokenizes. They share no interpreter, so streaming thousands of chunks a second no longer takes
 the engine loop's time (one GIL per process). The boundary is message-shaped, over a Unix socket:
-the typed messages of ``kvforge.engine_messages``. A step's outputs cross as ``OutputDelta``s that
+the typed messages of ``kvforge.engine.messages``. A step's outputs cross as ``OutputDelta``s that
 carry a request's prompt only once (``PromptSent`` / ``PromptCache``).
 
 An ``AddRequest`` is answered first with ``Admitted`` or ``Refused`` (the ``ValueError`` that names
 the bad field), so a bad request is a 400 before any stream starts. If the core process dies, every
 open stream gets ``EngineDeadError``, ``dead`` is set (``/health`` answers 503) and the server stops.
 So it does when the core goes silent for longer than ``step_timeout_s`` (a step that never ends, a
-stopped process): every message counts as a sign of life (``kvforge.watchdog``), and the process is
+stopped process): every message counts as a sign of life (``kvforge.engine.watchdog``), and the process is
 then killed. docs/server.md.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
-from kvforge.engine_messages import (
+from kvforge.engine.messages import (
     AbortRequest,
     AddLora,
     AddRequest,
@@ -52,13 +52,13 @@ from kvforge.engine_messages import (
     StepOutputs,
     Stop,
 )
+from kvforge.engine.request_streams import RequestStreams, StreamingFront
+from kvforge.engine.watchdog import StepWatchdog
 from kvforge.errors import EngineDeadError
-from kvforge.executor import stop_processes
 from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
-from kvforge.request_streams import RequestStreams, StreamingFront
+from kvforge.rank.executor import stop_processes
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
-from kvforge.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class EngineProcessClient(StreamingFront):
     """What the server needs of an engine, with the engine in a child process."""
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 3600.0, step_timeout_s: float | None = None):
-        from kvforge.model_loader import load_model_config, resolve_model_source
-        from kvforge.tokenizer_source import tokenizer_for
+        from kvforge.model.loader import load_model_config, resolve_model_source
+        from kvforge.model.tokenizer_source import tokenizer_for
 
         self.config = config
         self.error: BaseException | None = None
@@ -93,7 +93,7 @@ class EngineProcessClient(StreamingFront):
         listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, KVFORGE_CORE_AUTHKEY=key.hex(),
                    KVFORGE_LOG_LEVEL=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvforge.engine_core", address], env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvforge.engine.core", address], env=env)
         try:
             self.conn = self._accept(listener, start_timeout_s)
             self.conn.send(config)
