@@ -76,7 +76,7 @@ def kernels(args: argparse.Namespace) -> None:
 
 def bench_shape(shape, rows: int, slots: int, rank: int, batches: dict, dev) -> tuple[float, float]:
     """One projection's lines; (base GEMM us, LoRA us in the graph batch with today's tiles)."""
-    from kvforge.lora.triton_ops import SegmentTiles, pick_tiles, segmented_matmul_triton
+    from kvforge.lora.ops import SegmentTiles, pick_tiles, segmented_matmul_triton
 
     name, k, n, parts = shape
     r = parts * rank

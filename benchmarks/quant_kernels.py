@@ -94,9 +94,8 @@ def make_weights(method: str, k: int, n: int, g: torch.Generator) -> list[tuple]
 
 def make_call(method: str, x: torch.Tensor, weights: tuple, config=None):
     """A no-argument callable running ``method`` once (``config``: the sweep's GemmConfig)."""
-    from kvforge.plugins.quantization.fp8 import quantize_rows
-    from kvforge.plugins.quantization.fp8_triton import fp8_gemm, quantize_per_token_fp8
-    from kvforge.plugins.quantization.int4_triton import w4a16_gemm
+    from kvforge.plugins.quantization.fp8 import fp8_gemm, quantize_per_token_fp8, quantize_rows
+    from kvforge.plugins.quantization.int4 import w4a16_gemm
 
     if method == "bf16":
         return lambda: F.linear(x, weights[0])
@@ -195,7 +194,7 @@ def print_table(rows: list[dict], methods: list[str]) -> None:
 
 def sweep_kernel(method: str, table: dict, buckets: dict, candidates, layers: dict, g) -> dict:
     """Per bucket: total us over the layers (and the bucket's M) for each candidate; the winner."""
-    from kvforge.plugins.quantization.triton_gemm import GemmConfig
+    from kvforge.kernels.quant_gemm import GemmConfig
 
     weights = {layer: make_weights(method, k, n, g) for layer, (k, n) in layers.items()}
     results = {}
@@ -224,7 +223,7 @@ def sweep_splits(method: str, config, programs_per_sm: int, layers: dict, g) -> 
     """At M = 1: the heuristic's split against fixed splits, per layer (us)."""
     from dataclasses import replace
 
-    from kvforge.plugins.quantization.triton_gemm import choose_split_k, num_sms
+    from kvforge.kernels.quant_gemm import choose_split_k, num_sms
 
     out = {}
     for layer, (k, n) in layers.items():
@@ -272,18 +271,19 @@ def main(argv=None) -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__)
     if args.sweep:
-        from kvforge.plugins.quantization import fp8_triton, int4_triton
+        from kvforge.kernels import fp8 as fp8_kernels
+        from kvforge.kernels import int4 as int4_kernels
 
         g = torch.Generator(device="cuda").manual_seed(0)
         out = dict(meta, int4={}, fp8={})
-        int4 = sweep_kernel("w4a16", int4_triton.INT4_CONFIGS, SWEEP_INT4, int4_candidates, layers, g)
-        int4_splits = sweep_splits("w4a16", int4[16]["best"], int4_triton.PROGRAMS_PER_SM, layers, g)
+        int4 = sweep_kernel("w4a16", int4_kernels.INT4_CONFIGS, SWEEP_INT4, int4_candidates, layers, g)
+        int4_splits = sweep_splits("w4a16", int4[16]["best"], int4_kernels.PROGRAMS_PER_SM, layers, g)
         print_sweep("INT4_CONFIGS", int4, int4_splits)
         out["int4"] = dict(buckets={b: dict(r, best=repr(r["best"]), current=repr(r["current"]))
                                     for b, r in int4.items()}, splits_m1=int4_splits)
         if fp8_ok:
-            fp8 = sweep_kernel("fp8_triton", fp8_triton.FP8_CONFIGS, SWEEP_FP8, fp8_candidates, layers, g)
-            fp8_splits = sweep_splits("fp8_triton", fp8[16]["best"], fp8_triton.PROGRAMS_PER_SM, layers, g)
+            fp8 = sweep_kernel("fp8_triton", fp8_kernels.FP8_CONFIGS, SWEEP_FP8, fp8_candidates, layers, g)
+            fp8_splits = sweep_splits("fp8_triton", fp8[16]["best"], fp8_kernels.PROGRAMS_PER_SM, layers, g)
             print_sweep("FP8_CONFIGS", fp8, fp8_splits)
             out["fp8"] = dict(buckets={b: dict(r, best=repr(r["best"]), current=repr(r["current"]))
                                        for b, r in fp8.items()}, splits_m1=fp8_splits)

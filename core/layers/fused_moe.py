@@ -7,7 +7,8 @@ its tokens, scaling its output by the routing weight and ``index_add_``-ing it, 
 dtype, into an accumulator of the model dtype. kvforge's CPU models run it and are compared token for
 token with transformers.
 
-The Triton path, for CUDA (and the CPU under ``TRITON_INTERPRET=1``, as the tests run it):
+The Triton path (its kernels and launchers: ``kvforge.kernels.moe``), for CUDA (and the CPU under
+``TRITON_INTERPRET=1``, as the tests run it):
 
 1. :func:`align_pairs` sorts the ``T * k`` (token, slot) pairs by expert and pads each expert's group
    to a multiple of BLOCK_M, so that each BLOCK_M block of the sorted order belongs to one expert:
@@ -39,13 +40,12 @@ at T = 1 (71%), 564 us at T = 64 (84%) and 1.9 ms at T = 4096 (429 TFLOP/s).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvforge.triton_support import fit_block, kernel_loader
+from kvforge.kernels import runs_on
 
 #: activation name -> the code the gate/up kernel's ACTIVATION constexpr takes
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}
@@ -118,9 +118,7 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bia
 def use_triton(x: torch.Tensor) -> bool:
     """Whether :func:`fused_experts` runs the Triton kernels for ``x``: on CUDA, or on the CPU under
     TRITON_INTERPRET=1, wherever triton imports."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return _triton() is not None
+    return runs_on(x)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -135,12 +133,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     gate and up clamped to ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``).
     The Triton kernels where :func:`use_triton`, else :func:`fused_experts_ref`.
     """
-    kwargs = dict(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
-                  swiglu_limit=swiglu_limit)
     if not use_triton(x):
-        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, **kwargs)
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias,
+                                 w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     _check_args(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
-    return _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, **kwargs)
+    return _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias,
+                                 w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
 
 # ---- alignment: pairs sorted by expert, in blocks of one expert ------------------------------------
@@ -161,16 +159,12 @@ class ExpertBlocks:
 
 
 #: up to this many pairs, :func:`align_pairs` is one Triton program (a stable order); beyond, three
-#: kernels over chunks of pairs (:func:`_align_pairs_parallel`); torch's sort and ~25 small kernels
+#: kernels over chunks of pairs (``kvforge.kernels.moe.align_pairs_parallel``); torch's sort and ~25 small kernels
 #: only off the GPU. Measured in CUDA graphs (benchmarks/fused_moe.py): torch's ops take 36-78 us at
 #: any size; the one program 4-6 us up to 64 pairs but 40 us at 1024 with E = 128, so past 128 pairs
 #: the parallel kernels take over: on the H200 they cut Qwen3-30B-A3B's whole call at 256 tokens
 #: (2,048 pairs) from 371 to 312 us, and its W1 from 6,725 to 7,392 tok/s.
 ALIGN_KERNEL_MAX_PAIRS = 128
-#: pairs each program of the parallel alignment takes
-ALIGN_PARALLEL_CHUNK = 256
-#: pairs one step of the alignment program takes (its one-hot tile: ALIGN_CHUNK x experts)
-ALIGN_CHUNK = 64
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -184,10 +178,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     num_blocks = -(-worst // block_m)
     if use_kernel is None:
         use_kernel = num_pairs > 0 and use_triton(topk_ids)
-    if use_kernel and num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
-        return _align_pairs_kernel(topk_ids, num_experts, block_m, num_blocks)
     if use_kernel:
-        return _align_pairs_parallel(topk_ids, num_experts, block_m, num_blocks)
+        from kvforge.kernels import moe
+
+        align = moe.align_pairs if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else moe.align_pairs_parallel
+        return ExpertBlocks(*align(topk_ids, num_experts, block_m, num_blocks), block_m)
     device = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int32)
     sorted_ids, order = torch.sort(ids, stable=True)
@@ -204,42 +199,6 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     block_starts = torch.arange(num_blocks, dtype=torch.int32, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_starts, right=True, out_int32=True)
     return ExpertBlocks(sorted_pairs, block_expert, padded_end[-1:], block_m)
-
-
-def _align_pairs_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> ExpertBlocks:
-    triton, kernels = _triton()
-    device = topk_ids.device
-    sorted_pairs = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
-    block_expert = torch.empty((num_blocks,), dtype=torch.int32, device=device)
-    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    kernels["align"][(1,)](topk_ids.reshape(-1), sorted_pairs, block_expert, num_padded, topk_ids.numel(),
-                           num_experts, num_blocks, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts),
-                           CHUNK=ALIGN_CHUNK, num_warps=4)
-    return ExpertBlocks(sorted_pairs, block_expert, num_padded, block_m)
-
-
-def _align_pairs_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> ExpertBlocks:
-    """align_pairs for many pairs, in parallel: count them per expert with atomics (each pair's old
-    count is its rank in its expert), lay out the blocks from the counts in one program, then scatter
-    every pair to its expert's start plus its rank. The order within an expert is the atomics' (not
-    stable): each pair's row is computed on its own, so the output does not depend on it."""
-    triton, kernels = _triton()
-    device = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    num_pairs = ids.numel()
-    counts = torch.zeros((num_experts,), dtype=torch.int32, device=device)
-    rank = torch.empty((num_pairs,), dtype=torch.int32, device=device)
-    start = torch.empty((num_experts,), dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
-    block_expert = torch.empty((num_blocks,), dtype=torch.int32, device=device)
-    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    grid = (triton.cdiv(num_pairs, ALIGN_PARALLEL_CHUNK),)
-    kernels["align_count"][grid](ids, counts, rank, num_pairs, CHUNK=ALIGN_PARALLEL_CHUNK)
-    kernels["align_layout"][(1,)](counts, start, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
-                                  num_blocks, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts),
-                                  CHUNK=ALIGN_CHUNK, FILL=1024, num_warps=4)
-    kernels["align_scatter"][grid](ids, rank, start, sorted_pairs, num_pairs, CHUNK=ALIGN_PARALLEL_CHUNK)
-    return ExpertBlocks(sorted_pairs, block_expert, num_padded, block_m)
 
 
 # ---- tile sizes -------------------------------------------------------------------------------------
@@ -282,32 +241,20 @@ def pick_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
 
 # ---- the Triton path --------------------------------------------------------------------------------
 
-_triton = kernel_loader("kvforge.layers.fused_moe_kernels:build_kernels")
-
-
 def route(router_logits: torch.Tensor, top_k: int, softmax_first: bool, renormalize: bool,
           round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """kvforge.layers.moe.select_experts in one Triton kernel (a program per token): (weights [T, k]
     float32, ids [T, k] int64). torch's softmax, top-k, division and casts are 5-8 launches, a few
     percent of an MoE decode step."""
-    triton, kernels = _triton()
-    num_tokens, num_experts = router_logits.shape
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
-    if num_tokens:
-        kernels["route"][(num_tokens,)](router_logits, weights, ids, router_logits.stride(0), num_experts, top_k,
-                                        SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize, ROUND=round_weights,
-                                        BLOCK_E=triton.next_power_of_2(num_experts),
-                                        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_experts <= 64 else 2)
-    return weights, ids
+    from kvforge.kernels import moe
+
+    return moe.route(router_logits, top_k, softmax_first, renormalize, round_weights)
 
 
 def _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, *, activation, w13_bias, w2_bias, swiglu_alpha,
                           swiglu_limit) -> torch.Tensor:
-    _, kernels = _triton()
     num_tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
@@ -315,36 +262,11 @@ def _fused_experts_triton(x, w13, w2, topk_weights, topk_ids, *, activation, w13
         raise ValueError(f"fused_experts: the weights' dtypes (w13 {w13.dtype}, w2 {w2.dtype}) must be x's ({x.dtype})")
     tiles = pick_tiles(num_pairs, num_experts)
     blocks = align_pairs(topk_ids, num_experts, tiles.block_m)
-    num_rows = blocks.num_blocks * tiles.block_m
-    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; 16-bit ignores it
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-
-    # act: [num_rows, I], in sorted (padded) pair order
-    act = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
-    block_n, block_k = fit_block(tiles.block_n_up, inter), fit_block(tiles.block_k, hidden)
-    b13 = w13_bias if w13_bias is not None else w13
-    grid = (blocks.num_blocks * -(-inter // block_n),)
-    kernels["gate_up"][grid](
-        x, w13, b13, blocks.sorted_pairs, blocks.block_expert, blocks.num_padded, act,
-        num_pairs, blocks.num_blocks, top_k, inter, hidden, float(swiglu_alpha), float(swiglu_limit),
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), b13.stride(0), b13.stride(-1),
-        act.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
-        HAS_BIAS=w13_bias is not None, ACTIVATION=ACTIVATIONS[activation], EVEN_K=hidden % block_k == 0,
-        DOT_PRECISION=dot_precision, **launch)
-
     # per_pair: [T * k, H], row t * k + j = topk_weights[t, j] * expert topk_ids[t, j]'s output for t
-    per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    block_n, block_k = fit_block(tiles.block_n_down, hidden), fit_block(tiles.block_k, inter)
-    b2 = w2_bias if w2_bias is not None else w2
-    routing = topk_weights.reshape(-1).contiguous()
-    grid = (blocks.num_blocks * -(-hidden // block_n),)
-    kernels["down"][grid](
-        act, w2, b2, blocks.sorted_pairs, blocks.block_expert, blocks.num_padded, routing, per_pair,
-        num_pairs, blocks.num_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2.stride(0), b2.stride(-1), per_pair.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
-        HAS_BIAS=w2_bias is not None, EVEN_K=inter % block_k == 0, DOT_PRECISION=dot_precision, **launch)
+    from kvforge.kernels import moe
+
+    per_pair = moe.experts(x, w13, w2, topk_weights, blocks, tiles, activation=ACTIVATIONS[activation],
+                           w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     if top_k == 1:
         return per_pair
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # fp32 accumulation, one rounding

@@ -11,7 +11,7 @@ slot's rows, gathered through the grouping. LoRA needs two such products per ada
 The shrink's output h has the model's dtype (rounded once, as peft's bf16 ``lora_A`` output is), so
 that the expand multiplies 16-bit operands on the tensor cores.
 
-:func:`segmented_matmul` does both: the Triton kernel (``kvforge.lora.triton_ops``) on CUDA, the torch
+:func:`segmented_matmul` does both: the Triton kernel (``kvforge.kernels.lora``) on CUDA, the torch
 reference :func:`segmented_matmul_torch` elsewhere. Both compute the products in float32 and round once,
 when storing (for ``accumulate``, after adding the old value in float32).
 
@@ -19,15 +19,22 @@ NOTE (CUDA graphs): the kernel's grid is sized by the length of ``LoRABatch.tile
 (:func:`tile_capacity` of the graph's padded token count), never by the grouping; the grouping lives in
 device buffers (``order``, ``starts``, ``tiles``) that a replay reads afresh, so one graph serves any
 grouping.
+
+Tiles measured on an H100 (benchmarks/lora_kernels.py, 256 decode rows over 8 rank-16 adapters,
+Llama-3-8B shapes): shrink 32 x 64 x 128 with 8 K splits (16 for K = 14336), expand 32 x 128.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvforge.kernels import fit_block, triton_imports
+
 IMPLS = ("auto", "torch", "triton")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---- the grouping (host) ---------------------------------------------------------------------------
@@ -177,15 +184,68 @@ def segmented_matmul(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, o
     column slice of a wider tensor). ``impl``: "auto" (Triton for CUDA tensors where triton imports,
     else torch), "torch", or "triton" (also on the CPU under TRITON_INTERPRET=1, for tests).
     """
-    from kvforge.lora import triton_ops  # (it imports this module's TILE_ROWS)
-
     _check_args(x, weights, batch, out, impl)
     if impl == "auto":
-        impl = "triton" if x.is_cuda and triton_ops.available() else "torch"
+        impl = "triton" if x.is_cuda and triton_imports() else "torch"
     if impl == "torch":
         segmented_matmul_torch(x, weights, batch, out, accumulate=accumulate)
     else:
-        triton_ops.segmented_matmul_triton(x, weights, batch, out, accumulate=accumulate)
+        segmented_matmul_triton(x, weights, batch, out, accumulate=accumulate)
+
+
+@dataclass(frozen=True)
+class SegmentTiles:
+    """One launch's tiles: ``block_m`` grouped rows x ``block_n`` output columns per program, K in
+    ``block_k`` steps, split over ``split_k`` programs (1: no split, no second kernel)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_tiles(num_tiles: int, n: int, k: int, *, fp32: bool) -> SegmentTiles:
+    """Tiles for a launch over a work list of ``num_tiles`` row tiles (shapes only: graph-safe).
+    ``fp32``: the dot runs on float32 operands (a 64-wide K step then, half the registers of a 16-bit
+    128-wide one). Rows per program are always ``TILE_ROWS`` (the work list's tiles)."""
+    if n < k:
+        # shrink (N = rank 8..192, K = hidden): one N tile covers most ranks, so x is read once; a long
+        # K walk. At decode there are too few row tiles to stream A [R, K] at bandwidth: split K (about
+        # 512 columns a split, up to 16 splits) unless the work list alone fills the GPU (prefill)
+        block_n, block_k, stages = 64, (64 if fp32 else 128), 3
+        split_k = 1 if num_tiles >= 128 else max(1, min(16, k // 512))
+    else:
+        # expand (K = rank, N = 1024..28672): one or a few K steps, memory-bound on out's read-modify-write
+        block_n, block_k, split_k, stages = 128, 64, 1, 2
+    return SegmentTiles(block_m=TILE_ROWS, block_n=fit_block(block_n, n), block_k=fit_block(block_k, k),
+                        split_k=split_k, num_warps=4, num_stages=stages)
+
+
+def segmented_matmul_triton(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, out: torch.Tensor, *,
+                            accumulate: bool, tiles: SegmentTiles | None = None) -> None:
+    """segmented_matmul's Triton path (arguments already checked by it): x [T, K], weights [S, N, K],
+    out [T, N], any strides. ``tiles``: :func:`pick_tiles`'s choice by default (benchmarks sweep others)."""
+    if not triton_imports():
+        raise ValueError("segmented_matmul: impl 'triton' needs triton, which does not import here")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"segmented_matmul: impl 'triton' needs CUDA tensors (or TRITON_INTERPRET=1); got {x.device}")
+    for name, t in (("x", x), ("weights", weights), ("out", out)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"segmented_matmul: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+    num_tiles, n, k = batch.tiles.shape[0], weights.shape[1], x.shape[1]
+    if x.shape[0] == 0 or n == 0 or batch.num_slots == 0 or num_tiles == 0:
+        return
+    # 16-bit operands of one dtype go to the tensor cores as they are (exact products, float32 sums);
+    # anything else is widened to float32 and multiplied exactly ("ieee", not tf32), like the reference
+    cast = not (x.dtype == weights.dtype and x.dtype != torch.float32)
+    tiles = tiles or pick_tiles(num_tiles, n, k, fp32=cast)
+    if tiles.block_m != TILE_ROWS:
+        raise ValueError(f"segmented_matmul: block_m must be the work list's TILE_ROWS ({TILE_ROWS}); got {tiles.block_m}")
+    from kvforge.kernels import lora
+
+    lora.segmented_matmul(x, weights, batch, out, accumulate=accumulate, tiles=tiles, cast=cast)
 
 
 def segmented_matmul_torch(x: torch.Tensor, weights: torch.Tensor, batch: LoRABatch, out: torch.Tensor, *,

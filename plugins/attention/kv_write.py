@@ -1,9 +1,10 @@
 """The K/V write of the backends that call a library for attention (``flashinfer``, ``flash_attn``), and
 the PyTorch write (the ``torch`` backend, and the others' CPU path).
 
-On CUDA it is kvforge's Triton ``reshape_and_cache``: one launch for K and V, and a slot of -1 (a CUDA
-graph's padding row) writes nothing, which ``index_copy_`` cannot do. Elsewhere (the CPU tests of these
-backends, with a stand-in library) two ``index_copy_``: no graphs run there, so every slot is real.
+On CUDA it is kvforge's Triton ``reshape_and_cache`` (``kvforge.kernels.attention``): one launch for K
+and V, and a slot of -1 (a CUDA graph's padding row) writes nothing, which ``index_copy_`` cannot do.
+Elsewhere (the CPU tests of these backends, with a stand-in library) two ``index_copy_``: no graphs run
+there, so every slot is real.
 
 An FP8 cache stores ``clamp(x / scale, -448, 448)`` rounded to e4m3 (round to nearest even; the clamp
 makes the cast saturate, never NaN), computed in float32 on both paths.
@@ -39,9 +40,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     """k, v: [num_tokens, kv_heads, head_size]; kv_cache: [2, blocks, block_size, kv_heads, head_size];
     kv_scales: [2] float32 (k, v) on the cache's device for an FP8 cache, else None."""
     if kv_cache.device.type == "cuda":
-        from kvforge.plugins.attention import triton_kernels
+        from kvforge.kernels import attention
 
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
-        triton_kernels.reshape_and_cache(k, v, kv_cache, slot_mapping, kv_scales)
+        attention.reshape_and_cache(k, v, kv_cache, slot_mapping, kv_scales)
         return
     write_kv_torch(k, v, kv_cache, slot_mapping, kv_scales)

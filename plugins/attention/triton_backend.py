@@ -4,10 +4,11 @@ Per step, ``build_metadata`` splits the batch into decode sequences (one query t
 with ``num_splits`` KV partitions per sequence and KV head, then a reduce) and prefill chunks (query
 tiles of ``block_q`` tokens x the query heads of one KV head), all with vectorised numpy and one
 host-to-device copy. ``forward`` launches at most four kernels and never loops over sequences.
-An FP8 cache (``kv_cache_dtype``) is read by the same kernels (triton_kernels.py says how the scales apply).
+An FP8 cache (``kv_cache_dtype``) is read by the same kernels (``kvforge.kernels.attention`` says how the
+scales apply).
 Per-layer sliding windows, soft caps and sinks are constexpr variants of the same kernels; a window
 layer's decode splits cover its window only, so it gets a split count of its own (``window_splits``).
-Design notes: docs/attention_triton.md; kernels: triton_kernels.py.
+Design notes: docs/attention_triton.md; kernels: ``kvforge.kernels.attention``.
 
 CPU testing: the capabilities list only ``cuda``, but while ``TRITON_INTERPRET=1`` is set (before
 triton is first imported) ``validate`` also accepts ``cpu`` (class attribute
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,6 +32,7 @@ from kvforge.attention import (
     AttentionLayer,
     AttentionMetadata,
     BatchLayout,
+    metadata_of,
 )
 
 
@@ -53,6 +55,17 @@ def _triton_import_error() -> str | None:
     except Exception as exc:  # ImportError, or a broken install raising anything else
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+@dataclass(kw_only=True)
+class TritonMetadata(AttentionMetadata):
+    """The step's decode sequences and prefill query tiles, and the decodes' split counts."""
+
+    decode_seqs: torch.Tensor  # [num_decodes] int32, sequence index of each decode
+    prefill_tile_seq: torch.Tensor  # [num_q_tiles] int32: tile j covers tokens tile_q0[j] .. + block_q
+    prefill_tile_q0: torch.Tensor  # [num_q_tiles] int32  of sequence tile_seq[j]
+    num_splits: int = 1  # decode KV partitions of global layers
+    window_splits: dict[int, int] = field(default_factory=dict)  # sliding window -> its layers' partitions
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -80,11 +93,11 @@ class TritonAttentionBackend(AttentionBackend):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
-        from kvforge.plugins.attention import triton_kernels
+        from kvforge.kernels import attention  # imports triton: only once the backend is built
 
-        self._kernels = triton_kernels
+        self._kernels = attention
         self.decode_num_splits = TritonOptions(decode_num_splits).decode_num_splits
-        self.tiles = triton_kernels.tile_sizes(self.head_size, self.num_heads // self.num_kv_heads, self.dtype)
+        self.tiles = attention.tile_sizes(self.head_size, self.num_heads // self.num_kv_heads, self.dtype)
         if self.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -104,8 +117,8 @@ class TritonAttentionBackend(AttentionBackend):
             reasons = [r for r in reasons if not r.startswith("device cpu")]
         return reasons
 
-    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        meta = super().build_metadata(layout)
+    def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
+        fields = self.layout_fields(layout)
         query_lens = layout.query_lens
         decode = np.flatnonzero(query_lens == 1)
         prefill = np.flatnonzero(query_lens > 1)
@@ -122,36 +135,33 @@ class TritonAttentionBackend(AttentionBackend):
             t = t.pin_memory().to(self.device, non_blocking=True)
         n_dec, n_tiles = len(decode), len(tile_seq)
         max_dec_len = int(layout.seq_lens[decode].max()) if n_dec else 0
-        meta.extra.update(
-            decode_seqs=t[:n_dec],  # [num_decodes] int32, sequence index of each decode
-            prefill_tile_seq=t[n_dec:n_dec + n_tiles],  # [num_q_tiles] int32
-            prefill_tile_q0=t[n_dec + n_tiles:],  # [num_q_tiles] int32
-        )
+        meta = TritonMetadata(**fields, decode_seqs=t[:n_dec], prefill_tile_seq=t[n_dec:n_dec + n_tiles],
+                              prefill_tile_q0=t[n_dec + n_tiles:])
         self._choose_splits(meta, n_dec, max_dec_len)
         return meta
 
-    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+    def build_graph_metadata(self, layout: BatchLayout) -> TritonMetadata:
         """A captured decode graph keeps its grid: pick the split count for the longest context it may see."""
         meta = self.build_metadata(layout)
         self._choose_splits(meta, layout.num_seqs, layout.block_tables.shape[1] * self.block_size)
         return meta
 
-    def _choose_splits(self, meta: AttentionMetadata, num_decodes: int, max_len: int) -> None:
+    def _choose_splits(self, meta: TritonMetadata, num_decodes: int, max_len: int) -> None:
         """``num_splits`` for the decodes of global layers and ``window_splits`` {window: splits} for
         those of each sliding window among the layers built (their splits share the window's keys only).
         Host values fixed per step, so a captured graph's grids stay valid for every replay."""
         if self.decode_num_splits is not None:
-            meta.extra.update(num_splits=self.decode_num_splits, window_splits={})
+            meta.num_splits, meta.window_splits = self.decode_num_splits, {}
             return
         choose = functools.partial(self._kernels.choose_num_splits, num_decodes, self.num_kv_heads,
                                    num_sms=self.num_sms)
         windows = {spec.sliding_window for spec in self.layers.values() if spec.sliding_window is not None}
-        meta.extra.update(num_splits=choose(max_len),
-                          window_splits={w: choose(min(max_len, w)) for w in windows})
+        meta.num_splits = choose(max_len)
+        meta.window_splits = {w: choose(min(max_len, w)) for w in windows}
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
-        kern, x = self._kernels, meta.extra
+        kern, meta = self._kernels, metadata_of(meta, TritonMetadata)
         n = meta.num_tokens
         # the kernels take any token/head strides but need a contiguous head dimension
         q, k, v = (t[:n] if t.stride(-1) == 1 else t[:n].contiguous() for t in (q, k, v))
@@ -159,11 +169,12 @@ class TritonAttentionBackend(AttentionBackend):
         # NOTE: every new K/V is written before any attention kernel reads the cache (stream order)
         kern.reshape_and_cache(k, v, kv_cache, meta.slot_mapping[:n], scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        kern.prefill_attention(q, kv_cache, out, x["prefill_tile_seq"], x["prefill_tile_q0"], meta.query_start_loc,
+        kern.prefill_attention(q, kv_cache, out, meta.prefill_tile_seq, meta.prefill_tile_q0, meta.query_start_loc,
                                meta.seq_lens, meta.block_tables, self.scale, self.tiles, scales, layer)
         # a window the metadata has no split count for (a layer declared after it was built): any split
         # count is correct, the global one merely spreads the window thinner
-        num_splits = x["window_splits"].get(layer.sliding_window, x["num_splits"])
-        kern.decode_attention(q, kv_cache, out, x["decode_seqs"], meta.query_start_loc, meta.seq_lens,
+        num_splits = meta.num_splits if layer.sliding_window is None else meta.window_splits.get(
+            layer.sliding_window, meta.num_splits)
+        kern.decode_attention(q, kv_cache, out, meta.decode_seqs, meta.query_start_loc, meta.seq_lens,
                               meta.block_tables, self.scale, num_splits, self.tiles, scales, layer)
         return out

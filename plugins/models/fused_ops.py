@@ -9,7 +9,8 @@ model dtype, each product rounded, then the sum), so the fused model computes th
 torch path up to the order of a float32 reduction.
 
 Every op has a torch reference, used on the CPU, when triton is missing, or with
-``KVFORGE_FUSED_OPS=0``; ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (the tests do).
+``KVFORGE_FUSED_OPS=0``; ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (the tests do). The
+kernels and their launchers: ``kvforge.kernels.model_ops``, imported on first use.
 """
 from __future__ import annotations
 
@@ -19,111 +20,20 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kvforge.kernels import triton_imports
+
 
 @functools.lru_cache(maxsize=1)
-def _triton():
-    if os.environ.get("KVFORGE_FUSED_OPS", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - a missing or broken triton means the torch path
-        return None
-    return triton, tl, _build_kernels(triton, tl)
+def _enabled() -> bool:
+    """The kernels may run: triton imports and KVFORGE_FUSED_OPS is not 0 (read once)."""
+    return os.environ.get("KVFORGE_FUSED_OPS", "1") != "0" and triton_imports()
 
 
 def use_fused(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for this tensor (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     if x.is_cuda:
-        return _triton() is not None
-    return os.environ.get("TRITON_INTERPRET") == "1" and _triton() is not None
-
-
-def _build_kernels(triton, tl):
-    @triton.jit
-    def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n_cols
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)  # rounded as torch's add
-            tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / n_cols
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET:  # Gemma: times (1 + w) in float32, one rounding
-            y = (xf * tl.math.rsqrt(var + eps) * (1.0 + w)).to(out_ptr.dtype.element_ty)
-        else:  # rounded to the input dtype, then times w
-            y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-            y = (y.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-
-    @triton.jit
-    def qk_norm_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                       num_q_heads, num_k_heads, head_dim, eps, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-        """In place, one program per token: RMSNorm over head_dim of every q head and every k head."""
-        tok = tl.program_id(0)
-        heads = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        dt = q_ptr.dtype.element_ty
-        for which in tl.static_range(2):
-            if which == 0:
-                base, w_ptr, stride_t, stride_h, nh = q_ptr, qw_ptr, stride_qt, stride_qh, num_q_heads
-            else:
-                base, w_ptr, stride_t, stride_h, nh = k_ptr, kw_ptr, stride_kt, stride_kh, num_k_heads
-            ptr = base + tok * stride_t + heads[:, None] * stride_h + offs_d[None, :]
-            mask = (heads[:, None] < nh) & (offs_d[None, :] < head_dim)
-            xf = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-            inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / head_dim + eps)
-            w = tl.load(w_ptr + offs_d, mask=offs_d < head_dim, other=0.0).to(tl.float32)
-            if OFFSET:
-                y = (xf * inv[:, None] * (1.0 + w[None, :])).to(dt)
-            else:
-                y = ((xf * inv[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt)
-            tl.store(ptr, y, mask=mask)
-
-    @triton.jit
-    def rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                    stride_c, num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        tok = tl.program_id(0)
-        pos = tl.load(pos_ptr + tok)
-        offs_d = tl.arange(0, HALF)
-        dt = q_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + pos * stride_c + offs_d).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_c + offs_d).to(dt).to(tl.float32)
-        heads = tl.arange(0, BLOCK_H)
-        for which in tl.static_range(2):
-            if which == 0:
-                base, stride_t, stride_h, nh = q_ptr, stride_qt, stride_qh, num_q_heads
-            else:
-                base, stride_t, stride_h, nh = k_ptr, stride_kt, stride_kh, num_k_heads
-            ptr = base + tok * stride_t + heads[:, None] * stride_h + offs_d[None, :]
-            mask = heads[:, None] < nh
-            x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-            # q * cos + rotate_half(q) * sin, every product rounded to the model dtype as in eager torch
-            o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
-            o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
-            tl.store(ptr, o1, mask=mask)
-            tl.store(ptr + HALF, o2, mask=mask)
-
-    @triton.jit
-    def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_cols
-        g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-        dt = out_ptr.dtype.element_ty
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (act * u).to(dt), mask=mask)
-
-    return {"rms_norm": rms_norm_kernel, "qk_norm": qk_norm_kernel, "rope": rope_kernel,
-            "silu_and_mul": silu_and_mul_kernel}
+        return _enabled()
+    return os.environ.get("TRITON_INTERPRET") == "1" and _enabled()
 
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
@@ -148,16 +58,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             return rms_norm_ref(x, weight, eps, offset)
         residual.add_(x)
         return rms_norm_ref(residual, weight, eps, offset), residual
-    triton, _, kernels = _triton()
-    rows, dim = x.shape
-    dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty((rows, dim), dtype=dtype, device=x.device)
-    if rows:
-        block = triton.next_power_of_2(dim)
-        res = residual if residual is not None else x
-        kernels["rms_norm"][(rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), dim, eps,
-                                     HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK=block,
-                                     num_warps=min(16, max(1, block // 256)))
+    from kvforge.kernels import model_ops
+
+    out = model_ops.rms_norm(x, weight, eps, residual, offset)
     return out if residual is None else (out, residual)
 
 
@@ -168,13 +71,9 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
     if (not use_fused(q) or q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1
             or q.dtype != k.dtype):
         return rms_norm_ref(q, q_weight, eps, offset), rms_norm_ref(k, k_weight, eps, offset)
-    triton, _, kernels = _triton()
-    n, d = q.shape[0], q.shape[-1]
-    if n:
-        kernels["qk_norm"][(n,)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                 q.shape[1], k.shape[1], d, eps, OFFSET=offset,
-                                 BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
-                                 BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    from kvforge.kernels import model_ops
+
+    model_ops.qk_rms_norm(q, k, q_weight, k_weight, eps, offset)
     return q, k
 
 
@@ -209,12 +108,9 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
     if (not use_fused(q) or q.stride(-1) != 1 or k.stride(-1) != 1 or d % 2 or (d // 2) & (d // 2 - 1)
             or cos.stride(-1) != 1):
         return rope_ref(positions, q, k, cos, sin)
-    triton, _, kernels = _triton()
-    n = q.shape[0]
-    if n:
-        kernels["rope"][(n,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                              cos.stride(0), q.shape[1], k.shape[1], HALF=d // 2,
-                              BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), num_warps=4)
+    from kvforge.kernels import model_ops
+
+    model_ops.rope(positions, q, k, cos, sin)
     return q, k
 
 
@@ -229,12 +125,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [rows, 2 * I] (gate | up) -> silu(gate) * up, [rows, I]."""
     if not use_fused(x) or x.dim() != 2 or x.stride(-1) != 1:
         return silu_and_mul_ref(x)
-    triton, _, kernels = _triton()
-    rows, two_i = x.shape
-    inter = two_i // 2
-    out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    if rows:
-        block = min(1024, triton.next_power_of_2(inter))
-        kernels["silu_and_mul"][(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                                  BLOCK=block, num_warps=4)
-    return out
+    from kvforge.kernels import model_ops
+
+    return model_ops.silu_and_mul(x)

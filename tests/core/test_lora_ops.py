@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge.lora import ops, triton_ops
+from kvforge.lora import ops
 from kvforge.lora.ops import (
     TILE_ROWS,
     LoRABatch,
@@ -142,7 +142,7 @@ def test_torch_path_without_host_starts_reads_the_device_starts():
 def test_auto_runs_torch_on_the_cpu(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton path ran for CPU tensors")
-    monkeypatch.setattr(triton_ops, "segmented_matmul_triton", refuse)
+    monkeypatch.setattr(ops, "segmented_matmul_triton", refuse)
     x, weights, out, _, order, starts = make_case(3, 16, 8, 1, [0, -1, 0], x_dtype=torch.float32,
                                                   w_dtype=torch.float32, out_dtype=torch.float32)
     segmented_matmul(x, weights, LoRABatch.from_grouping(order, starts, device="cpu"), out, accumulate=False)
@@ -242,18 +242,18 @@ def test_kernel_with_a_graph_sized_batch(shape):
 def test_kernel_with_several_row_tiles_in_a_slot():
     row_slots = [0] * 70 + [-1, 1, 1, -1, 3]  # slot 0: 70 rows, three 32-row tiles
     check_kernel("expand", torch.float32, torch.float32, torch.float32, True, row_slots=row_slots, views=False)
-    assert triton_ops.pick_tiles(5, 80, 24, fp32=True).block_m == TILE_ROWS == 32
+    assert ops.pick_tiles(5, 80, 24, fp32=True).block_m == TILE_ROWS == 32
 
 
 @outside_interpreter
 def test_tiles_follow_the_shape():
-    shrink_decode = triton_ops.pick_tiles(24, 48, 4096, fp32=False)  # a 512-row graph over 8 slots
+    shrink_decode = ops.pick_tiles(24, 48, 4096, fp32=False)  # a 512-row graph over 8 slots
     assert (shrink_decode.block_n, shrink_decode.block_k, shrink_decode.split_k) == (64, 128, 8)
-    assert triton_ops.pick_tiles(24, 16, 14336, fp32=False).split_k == 16  # down_proj: capped
-    assert triton_ops.pick_tiles(256, 48, 4096, fp32=False).split_k == 1  # prefill: enough row tiles
-    expand = triton_ops.pick_tiles(24, 6144, 48, fp32=False)
+    assert ops.pick_tiles(24, 16, 14336, fp32=False).split_k == 16  # down_proj: capped
+    assert ops.pick_tiles(256, 48, 4096, fp32=False).split_k == 1  # prefill: enough row tiles
+    expand = ops.pick_tiles(24, 6144, 48, fp32=False)
     assert (expand.block_m, expand.block_n, expand.block_k, expand.split_k) == (32, 128, 64, 1)
-    assert triton_ops.pick_tiles(4, 6144, 8, fp32=True).block_k == 16  # tl.dot's minimum
+    assert ops.pick_tiles(4, 6144, 8, fp32=True).block_k == 16  # tl.dot's minimum
     assert ops.IMPLS == ("auto", "torch", "triton")
 
 

@@ -1,4 +1,4 @@
-"""The batched LoRA kernels (``kvforge.lora.triton_ops``) on the GPU at a real layer's shapes (hidden
+"""The batched LoRA kernels (``kvforge.kernels.lora``) on the GPU at a real layer's shapes (hidden
 4096, rank 16 on each of q/k/v = 48 shrink columns, a 6144-wide qkv output in bf16) against the torch
 path; and a CUDA graph of a shrink + expand captured with one grouping and replayed with others copied
 into the same buffers.
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge.lora.ops import LoRABatch, group_rows, segmented_matmul, tile_capacity, tile_grouping
-from kvforge.lora.triton_ops import pick_tiles
+from kvforge.lora.ops import LoRABatch, group_rows, pick_tiles, segmented_matmul, tile_capacity, tile_grouping
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -1,6 +1,7 @@
-"""The quantized-linear Triton kernels on the GPU at Llama-3-8B shapes (bf16): W4A16 (``int4_triton``)
-and FP8 (``fp8_triton``) against their references, the FP8 quantization bit for bit (the e4m3 store
-the CPU interpreter cannot check), and CUDA-graph replay equal to eager, bit for bit.
+"""The quantized-linear Triton kernels on the GPU at Llama-3-8B shapes (bf16): W4A16 (``kvforge.kernels.int4``)
+and FP8 (``kvforge.kernels.fp8``), called through ``int4`` and ``fp8``, against their references, the FP8
+quantization bit for bit (the e4m3 store the CPU interpreter cannot check), and CUDA-graph replay equal to
+eager, bit for bit.
 """
 import pytest
 import torch
@@ -24,7 +25,7 @@ def _int4(k, n, group_size=128, seed=0):
 
 @pytest.mark.parametrize("layer", list(LLAMA3_8B))
 def test_w4a16_gemm_at_llama3_8b_shapes(layer):
-    from kvforge.plugins.quantization.int4_triton import DEQUANT_MIN_M, w4a16_gemm
+    from kvforge.plugins.quantization.int4 import DEQUANT_MIN_M, w4a16_gemm
 
     k, n = LLAMA3_8B[layer]
     (q, qweight, scales, zeros), g = _int4(k, n)
@@ -36,7 +37,7 @@ def test_w4a16_gemm_at_llama3_8b_shapes(layer):
 
 
 def test_w4a16_channelwise_and_odd_n():
-    from kvforge.plugins.quantization.int4_triton import w4a16_gemm
+    from kvforge.plugins.quantization.int4 import w4a16_gemm
 
     (q, qweight, scales, zeros), g = _int4(4096, 1000, group_size=4096)  # one group; N off every tile
     w = dequantize_from_layout(q, scales, zeros, 4096)
@@ -46,7 +47,8 @@ def test_w4a16_channelwise_and_odd_n():
 
 
 def test_dequantize_int4_triton_is_bit_identical():
-    from kvforge.plugins.quantization.int4_triton import dequantize_int4, dequantize_int4_triton
+    from kvforge.plugins.quantization.int4 import dequantize as dequantize_int4
+    from kvforge.plugins.quantization.int4 import dequantize_int4_triton
 
     (_, qweight, scales, zeros), _ = _int4(14336, 4096, group_size=64)
     assert torch.equal(dequantize_int4_triton(qweight, scales, zeros, 64), dequantize_int4(qweight, scales, zeros, 64))
@@ -54,7 +56,7 @@ def test_dequantize_int4_triton_is_bit_identical():
 
 @pytest.mark.parametrize("m", [1, 64, 512])  # split-K, one kernel, dequantize + matmul
 def test_w4a16_graph_replay_matches_eager_exactly(m):
-    from kvforge.plugins.quantization.int4_triton import w4a16_gemm
+    from kvforge.plugins.quantization.int4 import w4a16_gemm
 
     (_, qweight, scales, zeros), g = _int4(4096, 6144)
     x = torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -73,7 +75,7 @@ def test_w4a16_graph_replay_matches_eager_exactly(m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("k", [4096, 14336])  # one block of the row; several
 def test_per_token_fp8_is_bit_identical_to_quantize_rows(dtype, k):
-    from kvforge.plugins.quantization.fp8_triton import quantize_per_token_fp8
+    from kvforge.plugins.quantization.fp8 import quantize_per_token_fp8
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(300, k, generator=g, device="cuda") * torch.logspace(-4, 4, 300, device="cuda").unsqueeze(1)
@@ -88,7 +90,7 @@ def test_per_token_fp8_is_bit_identical_to_quantize_rows(dtype, k):
 
 @fp8_gpu
 def test_static_fp8_is_bit_identical():
-    from kvforge.plugins.quantization.fp8_triton import quantize_static_fp8
+    from kvforge.plugins.quantization.fp8 import quantize_static_fp8
 
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16) * 30  # some values clamp at 448
     scale = torch.tensor([0.05], device="cuda")
@@ -110,7 +112,7 @@ def _relative_error(got, want):
 @fp8_gpu
 @pytest.mark.parametrize("layer", list(LLAMA3_8B))
 def test_fp8_gemm_at_llama3_8b_shapes(layer):
-    from kvforge.plugins.quantization.fp8_triton import fp8_gemm
+    from kvforge.plugins.quantization.fp8 import fp8_gemm
 
     k, n = LLAMA3_8B[layer]
     for m in (1, 16, 64, 200, 2048):
@@ -128,7 +130,7 @@ def test_fp8_gemm_at_llama3_8b_shapes(layer):
 @fp8_gpu
 @pytest.mark.parametrize("m", [1, 64, 512])
 def test_fp8_quant_and_gemm_graph_replay_matches_eager_exactly(m):
-    from kvforge.plugins.quantization.fp8_triton import fp8_gemm, quantize_per_token_fp8
+    from kvforge.plugins.quantization.fp8 import fp8_gemm, quantize_per_token_fp8
 
     k, n = LLAMA3_8B["o"]
     _, _, wq, ws = _fp8_operands(1, k, n)

@@ -63,10 +63,10 @@ def test_mixed_batch(head_size, block_size):
 def test_long_decode_split_k(ctx, block_size):
     specs = [(ctx - 1, 1), (ctx // 2, 1), (ctx - 100, 1)]
     err, meta = _compare(specs, 128, block_size)
-    assert meta.extra["num_splits"] > 1  # 3 sequences x 8 KV heads: split-K
+    assert meta.num_splits > 1  # 3 sequences x 8 KV heads: split-K
     assert err < 1e-2
     err1, meta1 = _compare(specs, 128, block_size, decode_num_splits=1)
-    assert meta1.extra["num_splits"] == 1 and err1 < 1e-2
+    assert meta1.num_splits == 1 and err1 < 1e-2
 
 
 def test_decode_replays_in_cuda_graph():
@@ -129,7 +129,7 @@ def test_decode_with_window_soft_cap_and_sinks_replays_in_cuda_graph(splits):
     k, v = (torch.randn(3, KV_HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cache = torch.randn(tri.kv_cache_shape(401), device="cuda", dtype=torch.bfloat16)
     meta = tri.build_graph_metadata(step(first, give_back=False))
-    assert meta.extra["window_splits"].keys() == (set(windows) if splits is None else set())
+    assert meta.window_splits.keys() == (set(windows) if splits is None else set())
     for i in (0, 1):
         tri.forward(q, k, v, cache, meta, tri.layers[i])  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -94,7 +94,7 @@ def _run_both(specs, block_size, seed=0, layer=None, **kw):
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_mixed_batch_matches_torch(block_size):
     out_ref, out_tri, cache_ref, cache_tri, layout, meta = _run_both(MIXED, block_size)
-    assert meta.extra["num_splits"] == 2  # 5 decodes x 2 KV heads leave the SMs idle: split-K
+    assert meta.num_splits == 2  # 5 decodes x 2 KV heads leave the SMs idle: split-K
     torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
     slots = torch.from_numpy(layout.slot_mapping)
     flat = (2, -1) + cache_ref.shape[3:]
@@ -108,7 +108,7 @@ def test_decode_forced_splits(splits):
     # 3 splits of a 1-token or 5-token context leave empty partitions, which the reduce must ignore
     specs = [(0, 1), (5, 1), (64, 1), (200, 1)]
     out_ref, out_tri, *_, meta = _run_both(specs, 16, seed=1, decode_num_splits=splits)
-    assert meta.extra["num_splits"] == splits
+    assert meta.num_splits == splits
     torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
 
 
@@ -140,7 +140,7 @@ def test_sliding_window_matches_torch(block_size, window, splits):
     out_ref, out_tri, *_, meta = _run_both(WINDOWED, block_size, layer=dict(sliding_window=window),
                                            decode_num_splits=splits)
     if splits is None:  # the window's own split count: 5 decodes x 2 KV heads, but only `window` keys
-        assert meta.extra["num_splits"] == 2 and meta.extra["window_splits"] == {window: 1}
+        assert meta.num_splits == 2 and meta.window_splits == {window: 1}
     assert torch.isfinite(out_tri).all()
     torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
 
@@ -177,9 +177,9 @@ def test_window_split_counts_follow_the_windows():
     tri.layer(2, sliding_window=4096)
     layout = random_layout([(8000, 1)], 16, np.random.default_rng(0), 512)
     meta = tri.build_metadata(layout)  # 1 decode x 2 KV heads: splits by the keys each layer reads
-    assert (meta.extra["num_splits"], meta.extra["window_splits"]) == (31, {512: 2, 4096: 16})
+    assert (meta.num_splits, meta.window_splits) == (31, {512: 2, 4096: 16})
     graph = tri.build_graph_metadata(layout)  # the longest context the graph may see: the table's width
-    assert (graph.extra["num_splits"], graph.extra["window_splits"]) == (31, {512: 2, 4096: 16})
+    assert (graph.num_splits, graph.window_splits) == (31, {512: 2, 4096: 16})
 
 
 @interpreted
@@ -204,7 +204,7 @@ def test_padded_tokens_and_strided_q():
 @interpreted
 @pytest.mark.usefixtures("scalar_index_patch")
 def test_reshape_and_cache_writes_exactly_the_slots():
-    from kvforge.plugins.attention.triton_kernels import reshape_and_cache
+    from kvforge.kernels.attention import reshape_and_cache
 
     cache = torch.full((2, 6, 16, 3, 32), -7.0)
     k, v = torch.randn(5, 3, 32), torch.randn(5, 3, 32)
@@ -263,7 +263,7 @@ def _run_both_fp8(specs, block_size, seed=0, window=None, **kw):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_fp8_cache_mixed_batch_matches_torch(block_size):
     out_ref, out_tri, meta = _run_both_fp8(MIXED, block_size)
-    assert meta.extra["num_splits"] == 2  # the split path's partials carry v_scale into the reduce
+    assert meta.num_splits == 2  # the split path's partials carry v_scale into the reduce
     torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
 
 
@@ -272,7 +272,7 @@ def test_fp8_cache_mixed_batch_matches_torch(block_size):
 def test_fp8_cache_unsplit_decode_and_gqa_match_torch():
     specs = [(20, 13), (40, 1), (3, 1), (200, 1)]
     out_ref, out_tri, meta = _run_both_fp8(specs, 16, seed=4, decode_num_splits=1, num_heads=6, head_size=32)
-    assert meta.extra["num_splits"] == 1
+    assert meta.num_splits == 1
     torch.testing.assert_close(out_tri, out_ref, atol=1e-4, rtol=1e-4)
 
 
@@ -286,7 +286,7 @@ def test_fp8_cache_with_a_sliding_window_matches_torch():
 @interpreted
 @pytest.mark.usefixtures("scalar_index_patch")
 def test_fp8_reshape_and_cache_writes_exactly_the_slots():
-    from kvforge.plugins.attention.triton_kernels import reshape_and_cache
+    from kvforge.kernels.attention import reshape_and_cache
 
     cache = torch.full((2, 6, 16, 3, 32), -7.0).to(FP8)
     k, v = _representable((5, 3, 32), 0.25), _representable((5, 3, 32), 0.5)
@@ -304,7 +304,7 @@ def test_fp8_reshape_and_cache_writes_exactly_the_slots():
 
 @interpreted  # pure arithmetic, but its module imports triton: keep that import out of this process
 def test_choose_num_splits():
-    from kvforge.plugins.attention.triton_kernels import choose_num_splits
+    from kvforge.kernels.attention import choose_num_splits
 
     assert choose_num_splits(64, 8, 16384, 132) == 1  # the batch alone fills the SMs
     assert choose_num_splits(4, 8, 200, 132) == 1  # context too short to split

@@ -1,6 +1,6 @@
-"""The FP8 kernels (``fp8_triton``) in Triton's CPU interpreter: per-token and static activation
-quantization against ``fp8.quantize_rows``'s arithmetic / the static formula, and the scaled FP8 GEMM
-against the exact products of the same e4m3 operands.
+"""The FP8 kernels (``kvforge.kernels.fp8``, through ``fp8``'s launchers) in Triton's CPU interpreter:
+per-token and static activation quantization against ``fp8.quantize_rows``'s arithmetic / the static
+formula, and the scaled FP8 GEMM against the exact products of the same e4m3 operands.
 
 The per-token kernel reproduces quantize_rows as it runs on CUDA, where torch divides ``amax`` by the
 Python number 448 as a multiplication by its float32 reciprocal; on the CPU torch divides, which
@@ -20,18 +20,22 @@ import pytest
 import torch
 from quant_reference import assert_gemm_within_rounding
 
-from kvforge.plugins.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows
-from kvforge.plugins.quantization.fp8_triton import (
+from kvforge.plugins.quantization.fp8 import (
+    FP8,
+    FP8_MAX,
+    MIN_SCALE,
     fp8_gemm,
     fp8_gemm_reference,
     quantize_per_token_fp8,
+    quantize_rows,
     quantize_static_fp8,
 )
-from kvforge.plugins.quantization.triton_gemm import GemmConfig
 from testing_support import IN_INTERPRETER, interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
+
+from kvforge.kernels.quant_gemm import GemmConfig  # imports triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,5 +1,6 @@
-"""The W4A16 kernels (``int4_triton``) in Triton's CPU interpreter, against a dequantize-then-matmul
-reference written from the layout definition (tests/quant_reference.py, which also derives the bounds).
+"""The W4A16 kernels (``kvforge.kernels.int4``, through ``int4``'s launchers) in Triton's CPU interpreter,
+against a dequantize-then-matmul reference written from the layout definition (tests/quant_reference.py,
+which also derives the bounds).
 The same checks at Llama-3-8B shapes, and CUDA-graph replay, run on the GPU (tests/gpu/test_quant_kernels_gpu.py).
 
 As in tests/plugins/attention/test_triton_backend.py, the interpreter must be on before triton is first
@@ -13,18 +14,15 @@ import pytest
 import torch
 from quant_reference import ULP, assert_gemm_within_rounding, dequantize_from_layout, random_int4_weight
 
-from kvforge.plugins.quantization.int4_triton import (
-    INT4_CONFIGS,
-    PROGRAMS_PER_SM,
-    dequantize_int4,
-    dequantize_int4_triton,
-    w4a16_gemm,
-)
-from kvforge.plugins.quantization.triton_gemm import GemmConfig, choose_split_k, k_per_split, pick_config
+from kvforge.plugins.quantization.int4 import dequantize as dequantize_int4
+from kvforge.plugins.quantization.int4 import dequantize_int4_triton, w4a16_gemm
 from testing_support import IN_INTERPRETER, interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
+
+from kvforge.kernels.int4 import INT4_CONFIGS, PROGRAMS_PER_SM  # imports triton
+from kvforge.kernels.quant_gemm import GemmConfig, choose_split_k, k_per_split, pick_config
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 #: (K, N, G): N never a multiple of the table's 128-wide N tile; G == K (one group) with K not a

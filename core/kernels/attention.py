@@ -1,4 +1,5 @@
-"""Triton kernels of the ``triton`` attention backend, and thin launchers that take device tensors.
+"""Triton kernels of the ``triton`` attention backend (``kvforge.plugins.attention.triton_backend``) and
+the K/V cache write of every CUDA backend, and thin launchers that take device tensors.
 
 Paged cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V); slot
 ``s`` is block ``s // block_size``, offset ``s % block_size``. Every kernel takes the query heads of
@@ -7,8 +8,8 @@ the log2 domain (``qk_scale = scale * log2(e)``, ``exp2``); accumulation is fp32
 Design notes (grids, tiles, the split-K heuristic, FP8): docs/attention_triton.md.
 
 FP8 cache (``KV_FP8``): ``reshape_and_cache`` stores ``clamp(x / scale, -448, 448)`` in e4m3 (computed in
-fp32, as ``kv_write.quantize_kv``); the attention kernels load the e4m3 tiles, widen them to the query's
-dtype for the dots, and apply the layer's scales exactly once per program: ``k_scale`` folded into
+fp32, as ``kvforge.plugins.attention.kv_write.quantize_kv``); the attention kernels load the e4m3 tiles,
+widen them to the query's dtype for the dots, and apply the layer's scales exactly once per program: ``k_scale`` folded into
 ``qk_scale`` (``q . (k8 * k_scale) = (q . k8) * k_scale``) and ``v_scale`` on the normalised output
 (``sum p (v8 * v_scale) = v_scale * sum p v8``). The scales are read from a [2] fp32 device tensor
 (k, v), never baked into a launch, so a captured CUDA graph reads them too.
@@ -20,6 +21,9 @@ those blocks back), ``SOFTCAP`` (runtime ``softcap``: scores become ``cap * tanh
 masking) and ``SINKS`` (a [num_heads] fp32 pointer: one more logit per head in the softmax denominator,
 joined once per row where the row is finalised: the prefill epilogue, the unsplit decode, or the reduce).
 """
+# pyright: reportArgumentType=false
+# (the kernels call the @triton.jit helper _attend_tile with Python literals for its tl.constexpr
+# parameters, as Triton wants; pyright reads them as a bool passed for a constexpr)
 from __future__ import annotations
 
 import torch
@@ -27,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kvforge.attention import PLAIN_LAYER, AttentionLayer
+from kvforge.kernels import launcher
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)  # the same, for use inside kernels
@@ -297,7 +302,7 @@ def _reduce_kernel(out_ptr, part_m, part_l, part_acc, dec_seq_ptr, qsl_ptr, sink
     else:
         w = tl.exp2(m - m_max)
         denom = tl.sum(l * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / denom
+    out = tl.sum(acc * w[:, None], 0) / denom  # pyright: ignore[reportOperatorIssue] - tl tensors, typed loosely
     tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -366,7 +371,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
         return
     kc, vc = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = _fp8_args(kv_cache, kv_scales)
-    _reshape_and_cache_kernel[(num_tokens,)](
+    launcher(_reshape_and_cache_kernel, (num_tokens,))(
         k, v, kc, vc, slot_mapping, scale_ptr, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD=d, BLOCK_SIZE=kc.shape[1], KV_FP8=fp8)
@@ -385,7 +390,7 @@ def prefill_attention(q, kv_cache, out, tile_seq, tile_q0, query_start_loc, seq_
     hkv = kc.shape[2]
     scale_ptr, fp8 = _fp8_args(kv_cache, kv_scales)
     variant, flags = _variant_args(layer, kv_cache)
-    _prefill_kernel[(num_tiles, hkv)](
+    launcher(_prefill_kernel, (num_tiles, hkv))(
         q, kc, vc, out, tile_seq, tile_q0, query_start_loc, seq_lens, block_tables, scale * LOG2E, scale_ptr,
         *variant, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -413,7 +418,7 @@ def decode_attention(q, kv_cache, out, dec_seq, query_start_loc, seq_lens, block
         part_m = part_l = part_acc = out  # unused by the kernel without SPLIT
     scale_ptr, fp8 = _fp8_args(kv_cache, kv_scales)
     variant, flags = _variant_args(layer, kv_cache)
-    _decode_kernel[(n, hkv, num_splits)](
+    launcher(_decode_kernel, (n, hkv, num_splits))(
         q, kc, vc, out, part_m, part_l, part_acc, dec_seq, query_start_loc, seq_lens, block_tables,
         scale * LOG2E, scale_ptr, *variant, heads, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
@@ -421,7 +426,7 @@ def decode_attention(q, kv_cache, out, dec_seq, query_start_loc, seq_lens, block
         TILE_N=tiles["decode_tile_n"], SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
         KV_FP8=fp8, **flags, num_warps=tiles["decode_warps"], num_stages=tiles["num_stages"])
     if num_splits > 1:
-        _reduce_kernel[(n, heads)](
+        launcher(_reduce_kernel, (n, heads))(
             out, part_m, part_l, part_acc, dec_seq, query_start_loc, variant[2], heads, num_splits, out.stride(0),
             out.stride(1), BLOCK_S=max(16, triton.next_power_of_2(num_splits)), HEAD=d,  # few variants
             SINKS=flags["SINKS"], num_warps=4)

@@ -1,5 +1,6 @@
-"""What the Triton GEMMs of ``int4_triton`` and ``fp8_triton`` share: when they run, their block-size
-configs and the M buckets that pick one, the split-K choice, and the kernel that sums split-K partials.
+"""What the quantized GEMMs of ``int4`` and ``fp8`` share: their block-size configs and the M buckets that
+pick one, the split-K choice, the tile code of a split-K GEMM program, and the kernel that sums split-K
+partials.
 
 No autotuning at run time: ``triton.autotune`` times candidate kernels on first use, which breaks
 CUDA-graph capture and costs seconds per new shape. Each GEMM instead has a small table from M bucket
@@ -12,14 +13,22 @@ product to ``[split, M, N]``; one small kernel sums them and casts to the output
 kernel rather than with fp32 atomics keeps results deterministic (a CUDA graph replays bit-identically
 to eager) and needs no zero-fill. Everything here is asynchronous (no host synchronisation), so it
 can be captured in a CUDA graph.
+
+The GEMMs do not specialise on M (Triton would compile apart for M == 1 and M % 16 == 0; M only
+masks rows), so one compilation serves every batch size of a bucket. Addresses along M (and along K of
+a dequantized weight) are int64: an 8192-token prefill through a 28672-wide layer has 2**28 outputs,
+and a larger batch would overflow int32 offsets.
 """
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from kvforge.kernels import launcher
 
 #: a split shorter than this (8 iterations at BLOCK_K = 64, 4 at 128) hardly fills a 4-stage
 #: pipeline; at M = 1 the measured best split never went below it (benchmarks/quant_kernels.py --sweep)
@@ -59,14 +68,6 @@ def pick_config(table: dict[int, GemmConfig], m: int) -> GemmConfig:
     return table[max(table)]
 
 
-def uses_triton(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for this tensor: on CUDA, or on the CPU under TRITON_INTERPRET=1
-    (elsewhere the callers use their torch references)."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return _triton() is not None
-
-
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of the device (read once per device: no synchronisation)."""
@@ -98,22 +99,41 @@ def k_per_split(k: int, split: int, block_k: int) -> tuple[int, int]:
     return per, -(-k // per)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton():
-    """(triton, this package's kernel module), or None where triton cannot be imported."""
-    try:
-        import triton
+# ---- the tile code of a split-K program -------------------------------------------------------------------
 
-        from kvforge.plugins.quantization import triton_kernels
-    except Exception:  # noqa: BLE001 - a missing or broken triton means the torch references
-        return None
-    return triton, triton_kernels
+@triton.jit
+def split_tile(M, N, K, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile and K range. Grid: (M tiles, N tiles, K splits), M fastest, so the
+    programs that run together share a weight tile; each split covers ``k_split`` of K. Returns
+    (offs_m, offs_n, m_mask, n_mask, k_start, k_end)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_split
+    return offs_m, offs_n, offs_m < M, offs_n < N, k_start, tl.minimum(k_start + k_split, K)
 
 
-def kernels():
-    """(triton, ``triton_kernels``); only after :func:`uses_triton` said yes."""
-    return _triton()
+@triton.jit
+def store_split_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, stride_om, stride_on, stride_os):
+    """``acc`` to this program's tile of ``out[split]`` (``stride_os`` 0 without a split), in out's dtype."""
+    out = (out_ptr + tl.program_id(2).to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+           + offs_n[None, :] * stride_on)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+
+@triton.jit
+def sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr):
+    """out[M, N] = part[split, M, N].sum(0) in out's dtype; both contiguous."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    part = part_ptr + offs
+    for _ in range(num_splits):
+        acc += tl.load(part, mask=mask, other=0.0)
+        part += numel
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launching ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class SplitK:
@@ -126,8 +146,7 @@ class SplitK:
     out: torch.Tensor
 
     @classmethod
-    def plan(cls, out: torch.Tensor, k: int, cfg: GemmConfig, block_k: int, programs_per_sm: int) -> "SplitK":
-        triton, _ = _triton()
+    def plan(cls, out: torch.Tensor, k: int, cfg: GemmConfig, block_k: int, programs_per_sm: int) -> SplitK:
         m, n = out.shape
         grid_mn = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
         split = cfg.split_k or choose_split_k(grid_mn[0] * grid_mn[1], k, num_sms(out.device), programs_per_sm)
@@ -147,8 +166,7 @@ class SplitK:
 
 def sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[M, N] = partials[split, M, N].sum(0)`` in ``out``'s dtype (both contiguous)."""
-    triton, kern = _triton()
     block = 1024
-    kern.sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partials, out, out.numel(), partials.shape[0],
-                                                               BLOCK=block, num_warps=4)
+    launcher(sum_splits_kernel, (triton.cdiv(out.numel(), block),))(partials, out, out.numel(), partials.shape[0],
+                                                          BLOCK=block, num_warps=4)
     return out
