@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvforge.config import EngineConfig
 from kvforge.lora.adapter import read_adapter_config
 from kvforge.lora.request import LoRARequest
+from kvforge.rank.messages import AddLora, RemoveLora
+
+if TYPE_CHECKING:
+    from kvforge.rank.executor import Executor
 
 
-def check_lora_request(config: EngineConfig, lora_request: Any) -> LoRARequest | None:
+def check_lora_request(config: EngineConfig, lora_request: object) -> LoRARequest | None:
     """The request's adapter, checked without reading its weights (safe from any thread)."""
     if lora_request is None:
         return None
@@ -39,11 +43,11 @@ def check_lora_request(config: EngineConfig, lora_request: Any) -> LoRARequest |
 
 
 #: (adapter path, max rank) -> the config file's mtime when it last passed the check
-_CHECKED: dict[tuple[str, int], int] = {}
+_CHECKED: dict[tuple[str, int], int | None] = {}
 
 
 class LoRARegistry:
-    def __init__(self, config: EngineConfig, executor: Any, in_use: Callable[[], Iterable[int]]):
+    def __init__(self, config: EngineConfig, executor: Executor, in_use: Callable[[], Iterable[int]]):
         """``in_use()``: the adapter ids unfinished requests run under (never unregistered)."""
         self.config, self.executor, self.in_use = config, executor, in_use
         self.capacity = config.max_cpu_loras or config.max_loras
@@ -69,9 +73,9 @@ class LoRARegistry:
             return False
         self._check_name_free(request)
         self._make_room()
-        errors = [e for e in self.executor.collective_rpc("add_lora", request) if e]
+        errors = [e for e in self.executor.call(AddLora(request)) if e]
         if errors:
-            self.executor.collective_rpc("remove_lora", request.lora_int_id)
+            self.executor.call(RemoveLora(request.lora_int_id))
             raise ValueError(errors[0])
         self.loras[request.lora_int_id] = request
         return True
@@ -114,7 +118,7 @@ class LoRARegistry:
     def _unregister(self, lora_int_id: int) -> None:
         self.retired.discard(lora_int_id)
         del self.loras[lora_int_id]
-        self.executor.collective_rpc("remove_lora", lora_int_id)
+        self.executor.call(RemoveLora(lora_int_id))
 
     def list(self) -> list[LoRARequest]:
         """The registered adapters (retired ones left out), least recently used first."""

@@ -4,8 +4,10 @@ An executor builds one ``Worker`` per rank from a ``WorkerSpec``. The driver wor
 tensor-parallel rank of the last pipeline stage) lives in the engine process; the others are
 wherever the executor puts them (spawned processes, Ray actors, ...). Each step the engine calls
 :meth:`Executor.execute_model` once: the executor hands the same ``StepInput`` to every rank and
-returns the driver's ``ForwardOutput``. Executors are plugin components (``register_executors``),
-selected by ``distributed_executor_backend``; ``uni`` (one rank, in process) is built in here.
+returns the driver's ``ForwardOutput``. Other calls on every rank are typed messages
+(``kvforge.rank.messages``), run by :meth:`Executor.call`. Executors are plugin components
+(``register_executors``), selected by ``distributed_executor_backend``; ``uni`` (one rank, in
+process) is built in here.
 """
 from __future__ import annotations
 
@@ -16,12 +18,16 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, TypeVar, overload
 
 import torch
 
-from kvforge.rank.step_input import StepInput
-from kvforge.rank.worker import ForwardOutput, Worker, WorkerSpec
+from kvforge.rank.messages import FailedCall, RankCall, as_call  # FailedCall: also found here
+from kvforge.rank.step_input import ForwardOutput, StepInput
+from kvforge.rank.worker import Worker
+from kvforge.rank.worker_spec import WorkerSpec
+
+R = TypeVar("R")
 
 
 class WorkerFailure(RuntimeError):
@@ -29,28 +35,30 @@ class WorkerFailure(RuntimeError):
 
 
 class RankCallError(RuntimeError):
-    """A ``collective_rpc`` call raised on a rank for a reason that is not the device's (``is_device_error``
+    """A call on every rank raised on a rank for a reason that is not the device's (``is_device_error``
     is false): the call failed, the rank lives on and the engine with it. The message names the rank."""
 
 
-class FailedCall:
-    """A rank's answer to a call that raised for a reason that is not the device's (executors carry it
-    back as a value, so that the rank lives on); :func:`check_calls` raises it as ``RankCallError``."""
-
-    def __init__(self, message: str):
-        self.message = message
-
-    @classmethod
-    def of(cls, exc: BaseException) -> "FailedCall":
-        return cls(f"{type(exc).__name__}: {exc}")
-
-
-def check_calls(method: str, results: dict[int, Any]) -> list[Any]:
-    """Every rank's result of ``method`` in rank order; ``RankCallError`` naming the first rank that failed."""
+def check_calls(name: str, results: Mapping[int, R | FailedCall]) -> list[R]:
+    """Every rank's result of the call ``name`` in rank order; ``RankCallError`` naming the first rank that failed."""
+    out: list[R] = []
     for rank in sorted(results):
-        if isinstance(results[rank], FailedCall):
-            raise RankCallError(f"rank {rank}: {method} failed: {results[rank].message}")
-    return [results[r] for r in sorted(results)]
+        result = results[rank]
+        if isinstance(result, FailedCall):
+            raise RankCallError(f"rank {rank}: {name} failed: {result.message}")
+        out.append(result)
+    return out
+
+
+def takes_typed_calls(cls: type) -> bool:
+    """Whether the ``collective_rpc`` of executor class ``cls`` takes typed calls: the class that defines
+    it (the first in the MRO) says so in its own body (``typed_calls = True``). One that does not was
+    written for method names (before typed calls, as the dummy plugin's ``CountingExecutor``, which
+    records them) and is handed names."""
+    for klass in cls.__mro__:
+        if "collective_rpc" in vars(klass):
+            return bool(vars(klass).get("typed_calls", False))
+    return False
 
 
 class Executor(ABC):
@@ -68,9 +76,28 @@ class Executor(ABC):
     def world_size(self) -> int:
         return self.spec.world_size
 
+    @overload
+    def collective_rpc(self, call: RankCall[R]) -> list[R]: ...
+    @overload
+    def collective_rpc(self, call: str, *args: Any, **kwargs: Any) -> list[Any]: ...
     @abstractmethod
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``Worker.<method>(*args, **kwargs)`` on every rank at once; their results, rank order."""
+    def collective_rpc(self, call: RankCall[Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``call`` on every rank at once: a typed call (``kvforge.rank.messages``), or the name of a
+        ``Worker`` method and its arguments (the string form, kept for plugins: ``as_call`` makes it a
+        ``CallMethod``). Their results in rank order; ``RankCallError`` (``check_calls``) when it raised on a
+        rank other than the driver for a reason that is not the device's, the driver's own error as raised.
+
+        A subclass that defines this for typed calls sets ``typed_calls = True`` in its class body
+        (:func:`takes_typed_calls`)."""
+
+    def call(self, rank_call: RankCall[R]) -> list[R]:
+        """Run a typed call on every rank; their results in rank order. The engine's calls come here: it
+        hands ``collective_rpc`` the call itself, or its method name and arguments (``as_method``) when
+        that ``collective_rpc`` was written for names (:func:`takes_typed_calls`)."""
+        if takes_typed_calls(type(self)):
+            return self.collective_rpc(rank_call)
+        name, args, kwargs = rank_call.as_method()
+        return self.collective_rpc(name, *args, **kwargs)
 
     @abstractmethod
     def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
@@ -92,6 +119,7 @@ class UniExecutor(Executor):
 
     name = "uni"
     supports_multiple_ranks = False
+    typed_calls = True
 
     def __init__(self, spec: WorkerSpec):
         super().__init__(spec)
@@ -100,8 +128,8 @@ class UniExecutor(Executor):
                              f"pipeline_parallel_size is {spec.world_size}: use 'mp' or 'ray'")
         self.driver = Worker(spec, 0)
 
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self.driver, method)(*args, **kwargs)]
+    def collective_rpc(self, call: RankCall[Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [as_call(call, args, kwargs).apply(self.driver)]
 
     def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
                       prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:

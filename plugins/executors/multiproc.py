@@ -2,9 +2,10 @@
 
 Each rank is a fresh ``python -m kvforge.plugins.executors.rank_process`` (never a re-import of the
 user's script, so no ``if __name__ == "__main__"`` guard is needed), connected back over loopback with
-a random key. Each step's ``StepInput`` is pickled once and written to every rank's connection; the ranks answer
-nothing (their results are the driver's too, and the collectives keep them in step). Control
-calls (``collective_rpc``: sizing the KV cache, capturing graphs) are answered. A monitor thread
+a random key. They speak the typed messages of ``kvforge.rank.messages``. Each step's ``StepInput`` is
+packed (``kvforge.rank.step_codec``), pickled once and written to every rank's connection; the ranks
+answer nothing (their results are the driver's too, and the collectives keep them in step). Calls on
+every rank (``collective_rpc``: sizing the KV cache, capturing graphs) are answered. A monitor thread
 watches every process: one that dies makes :meth:`check_health` raise ``WorkerFailure`` naming it,
 and a step that fails because a rank is gone raises the same (docs/distributed.md, Failures).
 
@@ -30,17 +31,12 @@ from typing import Any, Callable
 import torch
 
 from kvforge.errors import is_device_error
-from kvforge.rank.executor import (
-    Executor,
-    FailedCall,
-    WorkerFailure,
-    check_calls,
-    free_port,
-    start_driver,
-    stop_processes,
-)
-from kvforge.rank.step_input import StepInput
-from kvforge.rank.worker import ForwardOutput, Worker, WorkerSpec
+from kvforge.rank.executor import Executor, WorkerFailure, check_calls, free_port, start_driver, stop_processes
+from kvforge.rank.messages import CallDone, FailedCall, RankCall, RankFailed, RankReady, RankReply, StopRank, as_call
+from kvforge.rank.step_codec import StepEncoder
+from kvforge.rank.step_input import ForwardOutput, StepInput
+from kvforge.rank.worker import Worker
+from kvforge.rank.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +46,7 @@ FAILURE_GRACE_S = 5.0
 
 class MultiprocExecutor(Executor):
     name = "mp"
+    typed_calls = True
 
     def __init__(self, spec: WorkerSpec):
         if spec.init_method is None:
@@ -58,7 +55,8 @@ class MultiprocExecutor(Executor):
         self._closing = False
         self._lock = threading.Lock()  # one pipe conversation at a time
         self.errors: dict[int, str] = {}  # rank -> what it reported before it went
-        self._early: dict[int, tuple] = {}  # rank -> a reply read before it was asked for (its "ready")
+        self._early: dict[int, RankReply] = {}  # rank -> a reply read before it was asked for (its RankReady)
+        self._steps = StepEncoder()  # NOTE: every rank gets every step it packs, in order
         if spec.config.torch_device.type == "cuda":
             base = spec.config.torch_device.index or 0
             if base + spec.world_size > torch.cuda.device_count():
@@ -80,8 +78,9 @@ class MultiprocExecutor(Executor):
         try:
             self._connect()
             self.driver = self._start_driver()
-            for rank in self.conns:
-                self._reply(rank)  # each rank's ("ready", ...) once its model is built
+            for rank in self.conns:  # each rank's RankReady once its model is built
+                if not isinstance(ready := self._reply(rank), RankReady):
+                    raise WorkerFailure(f"rank {rank} started with {type(ready).__name__}, not RankReady")
         except BaseException:
             self.shutdown()
             raise
@@ -93,7 +92,8 @@ class MultiprocExecutor(Executor):
     # -- starting --------------------------------------------------------------------------------
     def _connect(self) -> None:
         """Accept every rank's connection and send it the spec (a rank that dies first ends the wait)."""
-        accepted: dict[int, Any] = {}
+        accepted: dict[int, multiprocessing.connection.Connection] = {}
+        failed: list[BaseException] = []
 
         def accept() -> None:
             try:
@@ -103,7 +103,7 @@ class MultiprocExecutor(Executor):
                     conn.send(self.spec)
                     accepted[rank] = conn
             except (OSError, EOFError) as exc:
-                accepted.setdefault("error", exc)
+                failed.append(exc)
 
         thread = threading.Thread(target=accept, name="kvforge-rank-accept", daemon=True)
         thread.start()
@@ -116,8 +116,8 @@ class MultiprocExecutor(Executor):
             if time.monotonic() > deadline:
                 missing = sorted(set(self.procs) - set(accepted))
                 raise WorkerFailure(f"rank {missing[0]} did not connect within {self.spec.init_timeout_s:.0f} s")
-        if "error" in accepted:
-            raise WorkerFailure(f"accepting the ranks' connections failed: {accepted['error']!r}")
+        if failed:
+            raise WorkerFailure(f"accepting the ranks' connections failed: {failed[0]!r}")
         self.conns = {r: accepted[r] for r in sorted(self.procs)}
         self._listener.close()
 
@@ -133,38 +133,38 @@ class MultiprocExecutor(Executor):
 
     def _peek_error(self, rank: int) -> bool:
         """Read a message a rank sent unasked: True if it was an error (kept in ``errors``)."""
-        msg = self.conns[rank].recv()
-        if msg[0] == "error":
-            self.errors[rank] = msg[1]
+        msg: RankReply = self.conns[rank].recv()
+        if isinstance(msg, RankFailed):
+            self.errors[rank] = msg.message
             return True
-        self._early[rank] = msg  # a reply that came before we asked (the rank's "ready")
+        self._early[rank] = msg  # a reply that came before we asked (the rank's RankReady)
         return False
 
     # -- calls -----------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        payload = pickle.dumps(("rpc", method, args, kwargs))
+    def collective_rpc(self, call: RankCall[Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
+        rank_call = as_call(call, args, kwargs)
+        payload = pickle.dumps(rank_call, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._send_all(payload)
             mine: Any = None
             driver_error: Exception | None = None
             try:
-                mine = getattr(self.driver, method)(*args, **kwargs)
+                mine = rank_call.apply(self.driver)
             except Exception as exc:
                 if is_device_error(exc):
                     raise self._failure(exc) from exc
                 driver_error = exc
             # NOTE: every rank's answer is read, even after a failure: an unread one would answer the next call
-            results = {rank: self._reply(rank) for rank in self.conns}
+            results: dict[int, Any] = {rank: self._answer(rank) for rank in self.conns}
         if driver_error is not None:  # the driver's own error, as it was raised (a ValueError stays one)
             raise driver_error
         results[self.spec.driver_rank] = mine
-        return check_calls(method, results)
+        return check_calls(rank_call.name, results)
 
     def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
                       prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:
-        payload = pickle.dumps(("exec", step), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self._send_all(payload)
+        with self._lock:  # NOTE: the encoder's order is the ranks' order: pack and send under one lock
+            self._send_all(pickle.dumps(self._steps.encode(step), protocol=pickle.HIGHEST_PROTOCOL))
         try:
             return self.driver.execute(step, prev_tokens, prompt_sink)
         except Exception as exc:
@@ -177,9 +177,18 @@ class MultiprocExecutor(Executor):
             except (BrokenPipeError, ConnectionError, OSError) as exc:
                 raise self._failure(exc) from exc
 
-    def _reply(self, rank: int) -> Any:
-        """Wait for rank's answer, or for its death (never forever)."""
-        msg = self._early.pop(rank, None)
+    def _answer(self, rank: int) -> object:
+        """Rank's answer to a call: its result, or the ``FailedCall`` (the call failed, the rank lives on)."""
+        reply = self._reply(rank)
+        if isinstance(reply, CallDone):
+            return reply.value
+        if isinstance(reply, FailedCall):
+            return reply
+        raise WorkerFailure(f"rank {rank} answered a call with {type(reply).__name__}")
+
+    def _reply(self, rank: int) -> RankReply:
+        """Wait for rank's next message, or for its death (never forever); ``WorkerFailure`` for ``RankFailed``."""
+        msg: RankReply | None = self._early.pop(rank, None)
         conn, proc = self.conns[rank], self.procs[rank]
         while msg is None:
             if conn.poll(1.0):
@@ -189,12 +198,10 @@ class MultiprocExecutor(Executor):
                     raise WorkerFailure(self.describe(rank)) from None
             elif proc.poll() is not None:  # the process ended with nothing more to say
                 raise WorkerFailure(self.describe(rank))
-        if msg[0] == "error":
-            self.errors[rank] = msg[1]
+        if isinstance(msg, RankFailed):
+            self.errors[rank] = msg.message
             raise WorkerFailure(self.describe(rank, "failed"))
-        if msg[0] == "failed":  # the call failed on that rank, which lives on
-            return FailedCall(msg[1])
-        return msg[1]
+        return msg
 
     # -- failures --------------------------------------------------------------------------------
     def describe(self, rank: int, what: str = "died") -> str:
@@ -214,7 +221,7 @@ class MultiprocExecutor(Executor):
         if cause is None and conn is not None and conn.poll():
             try:
                 msg = conn.recv()
-                cause = msg[1] if msg[0] == "error" else None
+                cause = msg.message if isinstance(msg, RankFailed) else None
             except (EOFError, OSError):
                 pass
         detail = f": {cause}" if cause else ""
@@ -260,7 +267,7 @@ class MultiprocExecutor(Executor):
         self._closing = True
         for conn in self.conns.values():
             try:
-                conn.send_bytes(pickle.dumps(("stop",)))
+                conn.send_bytes(pickle.dumps(StopRank()))
             except (BrokenPipeError, ConnectionError, OSError):
                 pass
         stop_processes(list(self.procs.values()))

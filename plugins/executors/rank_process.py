@@ -11,13 +11,15 @@ import os
 import pickle
 import sys
 import traceback
+from typing import NoReturn
 
 import torch
 
-from kvforge.errors import is_device_error
 from kvforge.log_format import configure_logging, inherited_format
-from kvforge.rank.executor import FailedCall
-from kvforge.rank.worker import Worker, WorkerSpec
+from kvforge.rank.messages import FailedCall, RankCall, RankFailed, RankMessage, RankReady, StopRank, answer
+from kvforge.rank.step_codec import ExecuteStep, StepDecoder
+from kvforge.rank.worker import Worker
+from kvforge.rank.worker_spec import WorkerSpec
 
 logger = logging.getLogger("kvforge.rank")
 
@@ -33,57 +35,44 @@ def main(argv: list[str]) -> int:
 
 
 def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Connection) -> None:
-    """Build the worker, then serve the engine's messages: ("exec", step), ("rpc", method, args,
-    kwargs) (answered ("ok", value), or ("failed", message) when the call raised for a reason that is
-    not the device's), ("stop",). Any other failure is reported on the connection and ends the process."""
+    """Build the worker (answering ``RankReady``), then serve the engine's messages
+    (``kvforge.rank.messages``), dispatched on their type: ``ExecuteStep`` (not answered), a ``RankCall``
+    (answered ``CallDone``, or ``FailedCall`` when it raised for a reason that is not the device's),
+    ``StopRank``. Any other failure is reported (``RankFailed``) and ends the process."""
     try:
         if spec.config.torch_device.type == "cpu":  # the ranks share the node's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         worker = Worker(spec, rank)
-        conn.send(("ready", worker.ready()))
+        conn.send(RankReady(worker.ready()))
     except BaseException as exc:
         _fail(conn, exc)
+    steps = StepDecoder()
     while True:
         try:
-            msg = pickle.loads(conn.recv_bytes())
+            msg: RankMessage = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the engine is gone
             break
-        kind = msg[0]
         try:
-            if kind == "exec":
-                worker.execute(msg[1])
-            elif kind == "rpc":
-                conn.send(("ok", _call(worker, msg[1], msg[2], msg[3])))
-            elif kind == "stop":
+            if isinstance(msg, ExecuteStep):
+                worker.execute(steps.decode(msg))
+            elif isinstance(msg, RankCall):
+                reply = answer(msg, worker, rank)
+                if isinstance(reply, FailedCall):  # the call's failure, not the rank's: it goes on
+                    logger.warning("%s failed: %s", msg.name, reply.message)
+                conn.send(reply)
+            elif isinstance(msg, StopRank):
                 break
-        except _CallFailed as failed:  # the call's failure, not the rank's: answered, and the rank goes on
-            conn.send(("failed", failed.message))
+            else:
+                raise TypeError(f"rank {rank} got a message it does not know: {type(msg).__name__}")
         except BaseException as exc:
             _fail(conn, exc)
     worker.close()
 
 
-class _CallFailed(Exception):
-    def __init__(self, failed: FailedCall):
-        self.message = failed.message
-
-
-def _call(worker: Worker, method: str, args: tuple, kwargs: dict) -> object:
-    """An RPC on the worker. NOTE: only a device-level error (``is_device_error``) or a step's failure
-    ends a rank; anything else a call raises is its caller's to report (``RankCallError``)."""
-    try:
-        return getattr(worker, method)(*args, **kwargs)
-    except Exception as exc:
-        if is_device_error(exc):
-            raise
-        logger.warning("%s failed: %s: %s", method, type(exc).__name__, exc)
-        raise _CallFailed(FailedCall.of(exc)) from None
-
-
-def _fail(conn: multiprocessing.connection.Connection, exc: BaseException) -> None:
+def _fail(conn: multiprocessing.connection.Connection, exc: BaseException) -> NoReturn:
     logger.error("failed:\n%s", "".join(traceback.format_exception(exc)))
     try:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(RankFailed(f"{type(exc).__name__}: {exc}"))
     except (BrokenPipeError, ConnectionError, OSError):
         pass
     os._exit(1)

@@ -2,8 +2,9 @@
 
 The driver's bundle is pinned to the engine's node (the driver runs in the engine process); the
 others go wherever the cluster has room, across nodes. Ray is imported only when this executor is
-built (``pip install 'kvforge[ray]'``). A step is put in Ray's object store once and handed to every
-actor; actors answer only ``collective_rpc`` calls, and each step's result reference is checked
+built (``pip install 'kvforge[ray]'``). Actors take the typed messages of ``kvforge.rank.messages``: a
+step is packed (``kvforge.rank.step_codec``), put in Ray's object store once and handed to every
+actor; actors answer only calls (``collective_rpc``), and each step's result reference is checked
 later, so a rank that raised or died fails the next step with ``WorkerFailure`` naming it.
 """
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any, Callable
 
 import torch
 
-from kvforge.errors import is_device_error
-from kvforge.rank.executor import Executor, FailedCall, WorkerFailure, check_calls, free_port, start_driver
-from kvforge.rank.step_input import StepInput
-from kvforge.rank.worker import ForwardOutput, Worker, WorkerSpec
+from kvforge.rank.executor import Executor, WorkerFailure, check_calls, free_port, start_driver
+from kvforge.rank.messages import CallDone, FailedCall, RankCall, answer, as_call
+from kvforge.rank.step_codec import ExecuteStep, StepDecoder, StepEncoder
+from kvforge.rank.step_input import ForwardOutput, StepInput
+from kvforge.rank.worker import Worker
+from kvforge.rank.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,9 @@ class RankActor:
     """One rank inside a Ray actor (Ray gives a GPU actor its own ``CUDA_VISIBLE_DEVICES``: cuda:0)."""
 
     def __init__(self, spec: WorkerSpec, rank: int):
-        self.spec, self.rank, self.worker = spec, rank, None
+        self.spec, self.rank = spec, rank
+        self.worker: Worker | None = None
+        self.steps = StepDecoder()
 
     def start(self) -> dict[str, Any]:
         import ray
@@ -43,18 +48,18 @@ class RankActor:
         return self.worker.ready() | {"node_id": ray.get_runtime_context().get_node_id(),
                                       "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
-    def rpc(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def rpc(self, call: RankCall[Any]) -> CallDone[Any] | FailedCall:
         """A call on this rank's worker; a failure that is not the device's comes back as a value (the
         driver raises ``RankCallError``), so that the actor lives on."""
-        try:
-            return getattr(self.worker, method)(*args, **kwargs)
-        except Exception as exc:
-            if is_device_error(exc):
-                raise
-            return FailedCall.of(exc)
+        return answer(call, self._started(), self.rank)
 
-    def execute(self, step: StepInput) -> None:
-        self.worker.execute(step)
+    def execute(self, msg: ExecuteStep) -> None:
+        self._started().execute(self.steps.decode(msg))
+
+    def _started(self) -> Worker:
+        if self.worker is None:
+            raise RuntimeError(f"rank {self.rank}: a message before start()")
+        return self.worker
 
     def ping(self) -> bool:
         return True
@@ -66,6 +71,7 @@ class RankActor:
 
 class RayExecutor(Executor):
     name = "ray"
+    typed_calls = True
 
     def __init__(self, spec: WorkerSpec):
         try:
@@ -85,6 +91,7 @@ class RayExecutor(Executor):
         self._closing = False
         self.actors: dict[int, Any] = {}
         self.pending: dict[int, collections.deque] = {}
+        self._steps = StepEncoder()  # NOTE: every actor gets every step it packs, in order
         self.node_ids: dict[int, str] = {}
         cuda = spec.config.torch_device.type == "cuda"
         unit = {"GPU": 1.0} if cuda else {"CPU": 1.0}
@@ -156,26 +163,29 @@ class RayExecutor(Executor):
                                 "Ray with one GPU fewer on this node)")
 
     # -- calls -----------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def collective_rpc(self, call: RankCall[Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
         ray = self._ray
-        refs = {rank: actor.rpc.remote(method, args, kwargs) for rank, actor in self.actors.items()}
+        rank_call = as_call(call, args, kwargs)
+        refs = {rank: actor.rpc.remote(rank_call) for rank, actor in self.actors.items()}
         try:
-            mine = getattr(self.driver, method)(*args, **kwargs)
+            mine = rank_call.apply(self.driver)
         except Exception as exc:
             raise self._failure(exc) from exc
-        results = {}
+        results: dict[int, Any] = {}
         for rank, ref in refs.items():
             try:
-                results[rank] = ray.get(ref)
+                reply = ray.get(ref)
             except Exception as exc:
-                raise WorkerFailure(f"rank {rank} (Ray actor) failed in {method}: {_cause(exc)}") from None
+                raise WorkerFailure(f"rank {rank} (Ray actor) failed in {rank_call.name}: {_cause(exc)}") from None
+            results[rank] = reply.value if isinstance(reply, CallDone) else reply
         results[self.spec.driver_rank] = mine
-        return check_calls(method, results)
+        return check_calls(rank_call.name, results)
 
     def execute_model(self, step: StepInput, prev_tokens: torch.Tensor | None = None,
                       prompt_sink: Callable[[int, torch.Tensor], None] | None = None) -> ForwardOutput | None:
         self._check_pending()
-        arg = self._ray.put(step) if len(self.actors) > 1 else step
+        msg = self._steps.encode(step)
+        arg = self._ray.put(msg) if len(self.actors) > 1 else msg
         for rank, actor in self.actors.items():
             self.pending[rank].append(actor.execute.remote(arg))
         try:

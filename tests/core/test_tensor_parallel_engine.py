@@ -12,6 +12,7 @@ import pytest
 
 from kvforge import LLM, SamplingParams
 from kvforge.rank.executor import WorkerFailure
+from kvforge.rank.messages import BatchState
 from kvforge.sampling_params import StructuredOutputsParams
 
 PREFIX = "You are a terse assistant. Answer in one short sentence, then stop. Question: "
@@ -49,9 +50,15 @@ def tp2():
     llm.shutdown()
 
 
-def test_tp2_equals_tp1_token_for_token_on_the_default_model(tp2):
-    ref_llm = LLM(**ENGINE)
-    ref, ref_stats = _run(ref_llm)
+@pytest.fixture(scope="module")
+def one_rank():
+    """``_run`` on a fresh one-rank engine built with ENGINE (its tokens and its stats): the reference of
+    the tp2 and pp2 tests, run once for both."""
+    return _run(LLM(**ENGINE))
+
+
+def test_tp2_equals_tp1_token_for_token_on_the_default_model(tp2, one_rank):
+    ref, ref_stats = one_rank
     got, stats = _run(tp2)
     assert tp2.llm_engine.executor.name == "mp" and tp2.llm_engine.executor.world_size == 2
     assert got == ref
@@ -62,10 +69,10 @@ def test_tp2_equals_tp1_token_for_token_on_the_default_model(tp2):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_pp2_equals_one_rank_token_for_token_on_the_default_model():
+def test_pp2_equals_one_rank_token_for_token_on_the_default_model(one_rank):
     """Two pipeline stages (layers 0-14 and 15-29), hidden states sent stage to stage over gloo, two
     steps in flight over disjoint requests."""
-    ref, _ = _run(LLM(**ENGINE))
+    ref, _ = one_rank
     llm = LLM(pipeline_parallel_size=2, **ENGINE)
     try:
         got, stats = _run(llm)
@@ -146,13 +153,14 @@ def test_ray_not_installed_is_named(monkeypatch):
         LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
 
 
-def test_speculative_decoding_under_tp2_keeps_the_tokens():
+def test_speculative_decoding_under_tp2_keeps_the_tokens(default_llm):
     """ngram drafts verified by the rejection sampler on the driver's logits (all ranks run the
     verification rows' forward and logits)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "a b c a b c a b c a b c", "The capital of France is"]
     common = dict(device="cpu", num_gpu_blocks_override=64)
-    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    # one rank, no drafts: conftest's shared default-model engine (greedy tokens do not depend on its pool)
+    ref = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
     llm = LLM(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                           "policy": "fixed"}, **common)
     try:
@@ -172,6 +180,7 @@ def test_a_call_that_raises_on_every_rank_fails_alone_and_the_ranks_live_on(tp2)
         executor.collective_rpc("batch_state", "an argument it does not take")
     assert executor.procs == procs and all(p.poll() is None for p in procs.values())
     assert [s["requests"] for s in executor.collective_rpc("batch_state")] == [0, 0]
+    assert executor.call(BatchState()) == executor.collective_rpc(BatchState()) == [{"requests": 0, "blocks": 0}] * 2
     got, _ = _run(tp2)
     assert len(got) == len(_requests()[0]) and all(got)
 
