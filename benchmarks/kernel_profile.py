@@ -91,8 +91,8 @@ def main() -> None:
 
 
 def part1(runner, args) -> None:
+    from kvforge.rank.batch_layout import prefill_layout
     from kvforge.rank.cuda_graphs import decode_layout
-    from kvforge.rank.worker import prefill_layout
 
     dev, bs = runner.device, runner.block_size
     lens = [512] * (args.prefill_tokens // 512)

@@ -55,7 +55,7 @@ def main() -> None:
     runner = eng.runner
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
     runner.builder.build = timed("input prep: step input", runner.builder.build)
-    runner.worker._layout = timed("input prep: layout", runner.worker._layout)
+    runner.worker._lay_out_step = timed("input prep: layout", runner.worker._lay_out_step)
     runner.attn.build_metadata = timed("input prep: attention metadata", runner.attn.build_metadata)
     runner.model.forward = timed("GPU: model forward (eager)", runner.model.forward)
     if runner.graphs is not None:
@@ -68,7 +68,8 @@ def main() -> None:
     from kvforge.rank.step_handle import StepHandle
     StepHandle.finish = timed("output: copy results to host", StepHandle.finish)
     StepHandle.result = timed("output: wait, tokens to Python", StepHandle.result)
-    eng.outputs.process = timed("output: detokenize, stop checks", eng.outputs.process)
+    eng.outputs.detokenize = timed("output: detokenize, stop checks", eng.outputs.detokenize)
+    eng.outputs.make_outputs = timed("output: make outputs", eng.outputs.make_outputs)
     step = eng.step
     n_steps = 0
 

@@ -42,7 +42,7 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": edit_prompt(tok, 512, 99)}], params, use_tqdm=False)  # warm-up
     r = eng.runner
     for obj, names in ((eng, ["step", "_complete"]), (eng.spec, ["propose"] if eng.spec else []), (eng.scheduler, ["schedule", "update", "advance"]),
-                       (r, ["launch", "_verify", "_sample"]), (r.builder, ["build"]), (r.worker, ["_layout"]), (eng.outputs, ["process"])):
+                       (r, ["launch", "_verify", "_sample"]), (r.builder, ["build"]), (r.worker, ["_lay_out_step"]), (eng.outputs, ["detokenize", "make_outputs"])):
         for n in names:
             if hasattr(obj, n):
                 ranged(obj, n)

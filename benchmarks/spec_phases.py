@@ -58,7 +58,7 @@ def main() -> None:
         timed(eng.runner, "_verify", acc)
     # inside launch
     timed(eng.runner.builder, "build", acc)
-    timed(eng.runner.worker, "_layout", acc)
+    timed(eng.runner.worker, "_lay_out_step", acc)
     timed(eng.runner, "_sample", acc)
     timed(eng.runner.model, "compute_logits", acc)
     if eng.runner.graphs is not None:

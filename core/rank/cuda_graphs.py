@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
-from kvforge.attention import AttentionBackend, BatchLayout
+from kvforge.attention import AttentionBackend, AttentionMetadata, BatchLayout
+from kvforge.rank.model_build import RankModel, hidden_states
+
+if TYPE_CHECKING:
+    from kvforge.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ def decode_layout(n: int, max_blocks: int, seq_lens: np.ndarray | None = None,
 class CUDAGraphRunner:
     """Holds one captured graph per (batch size, query length), with their static inputs and outputs."""
 
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
+    def __init__(self, model: RankModel, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
                  max_num_seqs: int, max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,),
                  verify_head: bool = False, before_capture: Callable[[int], None] | None = None):
         """``verify_head``: verification graphs (q > 1, at most ``MAX_VERIFY_HEAD_TOKENS`` tokens) also
@@ -80,7 +84,7 @@ class CUDAGraphRunner:
         top = max(s * q for q, sizes in self.sizes_for.items() for s in sizes)
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, AttentionMetadata, torch.Tensor]] = {}
         self.heads: dict[tuple[int, int], torch.Tensor] = {}  # (size, q) -> [size, q + 1] greedy verification
         self.replays: dict[tuple[int, int], int] = {}  # (size, q) -> replays so far
         self.pool = None
@@ -97,13 +101,13 @@ class CUDAGraphRunner:
             if self.before_capture is not None:
                 self.before_capture(n * q)
             for _ in range(2):  # warm up: autotuning, lazy allocations
-                hidden = self.model(ids, pos, self.kv_caches, meta)
+                hidden = hidden_states(self.model(ids, pos, self.kv_caches, meta))
                 if with_head:
                     greedy_verify_head(self.model, hidden, ids, n, q)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.model(ids, pos, self.kv_caches, meta)
+                hidden = hidden_states(self.model(ids, pos, self.kv_caches, meta))
                 if with_head:
                     self.heads[(n, q)] = greedy_verify_head(self.model, hidden, ids, n, q)
             if self.pool is None:
@@ -115,7 +119,7 @@ class CUDAGraphRunner:
                     self.sizes[0], self.sizes[-1], self.query_lens, elapsed)
         return elapsed
 
-    def padded_size(self, out: Any) -> tuple[int, int] | None:
+    def padded_size(self, out: SchedulerOutput) -> tuple[int, int] | None:
         """The captured (size, q) to replay for a scheduled step, or None: not uniform (every sequence
         q tokens, q captured), or too large."""
         n = len(out.scheduled)
@@ -146,7 +150,7 @@ class CUDAGraphRunner:
         return hidden
 
 
-def greedy_verify_head(model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, n: int, q: int) -> torch.Tensor:
+def greedy_verify_head(model: RankModel, hidden: torch.Tensor, ids: torch.Tensor, n: int, q: int) -> torch.Tensor:
     """Greedy verification of a uniform step, as tensor ops of static shapes (captured in the graph):
     every sequence's q input ids are its own token and q - 1 drafts. Returns [n, q + 1] int64: the
     emitted tokens (``kvforge.spec_decode.rejection_sampler`` semantics: NO_TOKEN padding), then their count."""

@@ -45,19 +45,53 @@ class HostInputs:
 
 
 class StagingBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+    """``num_sets`` sets of host buffers (pinned on CUDA): a worker's steps take two in turn (:meth:`next`);
+    a drafter's proposal takes one per forward (:meth:`at`), so each forward's copies may still be
+    queued while the next is laid out."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, num_sets: int = 2):
         self.pin = device.type == "cuda" and torch.cuda.is_available()
-        self.sets = [HostInputs(max_tokens, max_seqs, max_blocks, self.pin) for _ in range(2)]
+        self.sets = [HostInputs(max_tokens, max_seqs, max_blocks, self.pin) for _ in range(num_sets)]
         self.turn = 0
 
     def next(self, tokens: int, seqs: int, blocks: int) -> HostInputs:
         """The set for the next step, grown if the step needs more room than it has."""
-        self.turn ^= 1
-        cur = self.sets[self.turn]
+        self.turn = (self.turn + 1) % len(self.sets)
+        return self.at(self.turn, tokens, seqs, blocks)
+
+    def at(self, index: int, tokens: int, seqs: int, blocks: int) -> HostInputs:
+        """Set ``index``, grown if it has less room than asked for."""
+        cur = self.sets[index]
         t, s, b = cur.capacity
         if tokens > t or seqs > s or blocks > b:
-            cur = self.sets[self.turn] = HostInputs(max(tokens, t), max(seqs, s), max(blocks, b), self.pin)
+            cur = self.sets[index] = HostInputs(max(tokens, t), max(seqs, s), max(blocks, b), self.pin)
         return cur
+
+
+class StepBuffers:
+    """A rank's step inputs: the staging sets on the host, and the eager forward's token ids and
+    positions on the device (a CUDA graph step uses the graph's static ones), grown if a step needs more."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.staging = StagingBuffers(max_tokens, max_seqs, max_blocks, device)
+        self.device = device
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)  # [max_tokens] int64
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)  # [max_tokens] int64
+
+    def to_device(self, buf: HostInputs, n: int, static: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the copies of ``buf``'s first ``n`` token ids and positions to the device, into ``static``
+        (a CUDA graph's inputs) or views of ours; returns the device views."""
+        if static is not None:
+            ids, pos = static
+        else:
+            if n > self.input_ids.shape[0]:
+                self.input_ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
+            ids, pos = self.input_ids[:n], self.positions[:n]
+        ids.copy_(buf.tensors["input_ids"][:n], non_blocking=True)
+        pos.copy_(buf.tensors["positions"][:n], non_blocking=True)
+        return ids, pos
 
 
 def h2d(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -7,17 +7,21 @@ sampler, in the engine process, where the requests live (docs/distributed.md).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
 
+from kvforge.attention import AttentionBackend
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.kv_cache import KVCacheManager
+from kvforge.rank.cuda_graphs import CUDAGraphRunner
 from kvforge.rank.executor import Executor
 from kvforge.rank.input_buffers import h2d
+from kvforge.rank.model_build import RankModel
 from kvforge.rank.step_handle import StepHandle, logprob_tensors
-from kvforge.rank.step_input import StepInput, StepInputBuilder, StepPlan
-from kvforge.rank.worker import ForwardOutput
+from kvforge.rank.step_input import ForwardOutput, StepInput, StepInputBuilder, StepPlan
+from kvforge.rank.swap import CPUSwapSpace
 from kvforge.sampler import DraftRow, Sampler
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
 from kvforge.spec_decode.rejection_sampler import VerifiedTokens, rejection_sample
@@ -39,19 +43,19 @@ class ModelRunner:
 
     # the driver worker's parts (tools and tests read them here)
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> RankModel | None:
         return self.worker.model
 
     @property
-    def attn(self):
+    def attn(self) -> AttentionBackend:
         return self.worker.attn
 
     @property
-    def graphs(self):
+    def graphs(self) -> CUDAGraphRunner | None:
         return self.worker.graphs
 
     @property
-    def swap_space(self):
+    def swap_space(self) -> CPUSwapSpace | None:
         return self.worker.swap_space
 
     def prompt_logprobs_rows(self) -> int:
@@ -71,14 +75,15 @@ class ModelRunner:
             graph_key = graphs.padded_size(out)
         step, plan = self.builder.build(out, kv, graph_key, prev.sample_reqs if prev is not None else None)
         if plan.sample_reqs:
-            plan.use_head = (plan.row_counts is not None and plan.dense and graph_key is not None
-                             and graphs.head(graph_key) is not None
+            plan.use_head = (plan.row_counts is not None and plan.dense and graphs is not None
+                             and graph_key is not None and graphs.head(graph_key) is not None
                              and all(self.sampler.plain_greedy(r) for r in plan.sample_reqs))
             step.compute_logits = not plan.use_head
-        sink, parts = self._prompt_sink(plan) if plan.prompt_spans else (None, None)
+        sink, parts = self._prompt_sink(plan) if plan.prompt_spans else (None, [])
         fwd = None
         if step.has_work:
-            fwd = self.executor.execute_model(step, prev.tokens if step.fill_dst is not None else None, sink)
+            prev_tokens = prev.tokens if prev is not None and step.fill_dst is not None else None
+            fwd = self.executor.execute_model(step, prev_tokens, sink)
         if fwd is None:
             return StepHandle.done(ModelRunnerOutput())
         handle = StepHandle(fwd.buf, self.device)
@@ -95,21 +100,21 @@ class ModelRunner:
         sampler (drafts), or the sampler."""
         reqs = plan.sample_reqs
         if plan.use_head:
-            handle.set_verified(fwd.head[:len(reqs)], reqs)  # verified inside the graph
+            handle.set_verified(_present(fwd.head, "verification head")[:len(reqs)], reqs)  # verified in the graph
             self.num_graph_verifications += 1
         elif plan.row_counts is not None:  # the step verifies drafts
             n = step.num_sample_rows
             # the rows' input ids: each request's own last token, then its drafts
             row_ids = fwd.input_ids[:n] if fwd.sample_rows is None else fwd.input_ids[fwd.sample_rows]
-            self._verify(fwd.logits, row_ids, reqs, plan.row_counts, out.draft_token_ids, handle)
+            self._verify(_present(fwd.logits, "logits"), row_ids, reqs, plan.row_counts, out.draft_token_ids, handle)
         else:
-            logits = fwd.logits  # [num_sampled, vocab]
+            logits = _present(fwd.logits, "logits")  # [num_sampled, vocab]
             sampled = self._sample(logits, reqs, handle)  # NO_TOKEN (-1) where nothing could be sampled
             tokens = sampled.clamp_min(0)  # what the device reads (placeholders, logprobs); the host sees -1
             handle.set_tokens(tokens, reqs, sampled)
             want = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
             if want:
-                k = max(reqs[i].sampling_params.logprobs for i in want)
+                k = max(reqs[i].sampling_params.logprobs or 0 for i in want)
                 idx = h2d(want, torch.long, self.device)
                 handle.logprobs = ([reqs[i] for i in want], logprob_tensors(logits[idx], tokens[idx], k))
 
@@ -118,10 +123,9 @@ class ModelRunner:
         calls this when it goes idle, so no rank holds state of a request that is gone)."""
         if request_ids:
             self.sampler.release(request_ids)
-            self.executor.execute_model(self.builder.build(SchedulerOutput(finished_request_ids=request_ids),
-                                                           None, None, None)[0])
+            self.executor.execute_model(self.builder.forget(request_ids))
 
-    def _prompt_sink(self, plan: StepPlan):
+    def _prompt_sink(self, plan: StepPlan) -> tuple[Callable[[int, torch.Tensor], None], list[dict[str, torch.Tensor]]]:
         """A callback taking each slice of prompt-position logits, and the list it fills."""
         k = max(r.sampling_params.prompt_logprobs for r, _, _ in plan.prompt_spans)
         targets = h2d(plan.prompt_targets, torch.long, self.device)
@@ -226,6 +230,13 @@ class ModelRunner:
                 n = min(c - 1, len(r.draft_probs))
                 q[b, :n] = r.draft_probs[:n]
         return q
+
+
+def _present(t: torch.Tensor | None, what: str) -> torch.Tensor:
+    """A result the step's plan relies on (the driver computed it for that plan)."""
+    if t is None:
+        raise RuntimeError(f"the driver's step output has no {what}")
+    return t
 
 
 def _computes_prompt_logprobs(out: SchedulerOutput) -> bool:

@@ -1,4 +1,5 @@
-"""The tensor-parallel group a model is built for, how its dimensions split, and the collectives.
+"""The tensor-parallel group a model is built for, how its dimensions split, the collectives, and how
+a rank joins the others (:func:`init_world`).
 
 A model's parallel layers (``kvforge.layers``) read :func:`current` once, when they are constructed,
 and keep that group: the engine builds the target model inside ``building(group)`` and a draft model
@@ -99,13 +100,61 @@ def building(group: TPGroup, stage: PPStage = WHOLE) -> Iterator[TPGroup]:
         _current, _current_stage = old, old_stage
 
 
+@dataclass(frozen=True)
+class RankGroups:
+    """Where one rank stands among an engine's ranks (world rank = stage x tensor-parallel size +
+    tensor-parallel rank): its tensor-parallel group, the world group (stage-to-stage sends, the
+    driver's broadcasts) and its pipeline stage."""
+
+    rank: int  # the world rank
+    tp: TPGroup
+    world: TPGroup
+    stage: PPStage
+    driver_rank: int  # the first tensor-parallel rank of the last stage (the engine process's)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == self.driver_rank
+
+    def leave(self, device: torch.device) -> None:
+        """Leave the process groups (their connections close; peers still in a collective get an error)."""
+        # NCCL's shutdown waits for its peers (a rank already stopped would hang it): abort instead
+        how = "abort" if device.type == "cuda" else "shutdown"
+        for g in {id(g): g for g in (self.tp, self.world) if g.size > 1}.values():
+            if hasattr(g.group, how):
+                try:
+                    getattr(g.group, how)()
+                except Exception:  # already broken: nothing left to release
+                    pass
+
+
+def init_world(rank: int, device: torch.device, *, tensor_parallel_size: int, pipeline_parallel_size: int,
+               init_method: str | None, timeout_s: float) -> RankGroups:
+    """Join the engine's ranks (NCCL on CUDA, gloo on the CPU; the driver serves the rendezvous at
+    ``init_method``, ``tcp://host:port``, needed when there is more than one rank)."""
+    tp, world = tensor_parallel_size, tensor_parallel_size * pipeline_parallel_size
+    stage = PPStage(rank // tp, pipeline_parallel_size)
+    driver = (pipeline_parallel_size - 1) * tp
+    if world == 1:
+        return RankGroups(rank, SINGLE, SINGLE, stage, driver)
+    if init_method is None:
+        raise ValueError(f"init_method: {world} ranks need a rendezvous address (tcp://host:port), got None")
+    store = rendezvous(init_method, rank, world, timeout_s, host_rank=driver)
+    world_group = TPGroup(rank, world, new_process_group(store, "world/", rank, world, device, timeout_s))
+    if tp == world:
+        return RankGroups(rank, world_group, world_group, stage, driver)
+    tp_pg = new_process_group(store, f"tp{stage.rank}/", rank % tp, tp, device, timeout_s)
+    return RankGroups(rank, TPGroup(rank % tp, tp, tp_pg), world_group, stage, driver)
+
+
 def rendezvous(init_method: str, rank: int, size: int, timeout_s: float, host_rank: int = 0) -> Any:
     """The store the ranks meet at (``tcp://host:port``, served by ``host_rank``)."""
     import datetime
 
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]  (re-exported from torch._C)
+
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-    return torch.distributed.TCPStore(host, int(port), size, rank == host_rank,
-                                      datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, int(port), size, rank == host_rank, datetime.timedelta(seconds=timeout_s))
 
 
 def new_process_group(store: Any, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
@@ -113,9 +162,11 @@ def new_process_group(store: Any, prefix: str, rank: int, size: int, device: tor
     CUDA, gloo on the CPU."""
     import datetime
 
+    from torch.distributed.distributed_c10d import PrefixStore
+
     dist = torch.distributed
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(prefix, store)
+    store = PrefixStore(prefix, store)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

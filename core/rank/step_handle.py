@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kvforge.errors import RequestFailure
-from kvforge.rank.input_buffers import d2h
+from kvforge.rank.input_buffers import HostInputs, d2h
 from kvforge.scheduler import ModelRunnerOutput, TokenLogprobs
 
 
@@ -14,7 +14,7 @@ class StepHandle:
     """A launched step: its sampled tokens on the device (for the next step's placeholders) and, once
     :meth:`result` has waited for them, on the host."""
 
-    def __init__(self, buf: Any, device: torch.device):
+    def __init__(self, buf: HostInputs | None, device: torch.device):
         self.buf, self.device = buf, device
         self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
         self.sample_reqs: list = []
@@ -25,6 +25,7 @@ class StepHandle:
         self.verified: torch.Tensor | None = None
         self.logprob_rows: list[int] | None = None  # with drafts: rows of logprobs per request of self.logprobs
         self.event: torch.cuda.Event | None = None
+        self._sampled: torch.Tensor | None = None  # what the host gets of ``tokens`` (NO_TOKEN where none)
         self._host: dict[str, Any] = {}
         self._result: ModelRunnerOutput | None = None
 
@@ -53,8 +54,10 @@ class StepHandle:
         if self.verified is not None:
             self._host["verified"] = d2h(self.verified)
         elif self.tokens is not None:
+            if self.buf is None:
+                raise RuntimeError("a step that sampled tokens has no staging set to copy them into")
             dst = self.buf.tensors["sampled"][:len(self.sample_reqs)]
-            dst.copy_(self._sampled, non_blocking=cuda)
+            dst.copy_(self._sampled if self._sampled is not None else self.tokens, non_blocking=cuda)
             self._host["tokens"] = dst
         for key in ("logprobs", "prompt_logprobs"):
             part = getattr(self, key)

@@ -1,10 +1,11 @@
-"""The worker boundary: what the engine hands every worker each step.
+"""The worker boundary: what the engine hands every worker each step, and what the driver gets back.
 
 ``StepInput`` is plain values and numpy arrays, pickled once per step for remote ranks (the
 in-process driver worker gets the object itself). Workers keep a persistent batch: each request's
 block table, updated from ``table_updates``, so a running request costs only what changed.
 ``StepPlan`` is the driver's half of the same step: the live requests it samples for, never sent.
-``StepInputBuilder`` makes both from the scheduler's output (docs/distributed.md).
+``StepInputBuilder`` makes both from the scheduler's output (docs/distributed.md). ``ForwardOutput`` is
+the driver worker's results of the step, read by the sampler.
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvforge.kv_cache import KVCacheManager
+from kvforge.rank.input_buffers import HostInputs
 from kvforge.scheduler import SchedulerOutput
 
 
@@ -54,6 +57,17 @@ class StepInput:
     def has_work(self) -> bool:
         """Whether workers have anything to do (a batch, or bookkeeping: swaps, forgotten requests)."""
         return bool(self.req_ids or self.dropped or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+@dataclass
+class ForwardOutput:
+    """The driver's results of a step: device tensors the sampler reads."""
+
+    buf: HostInputs  # the staging set the step was laid out in (the sampled tokens come back into it)
+    input_ids: torch.Tensor  # [rows] the step's input ids (placeholders filled)
+    sample_rows: torch.Tensor | None  # the sampled rows, None when they are rows 0 .. n - 1
+    logits: torch.Tensor | None  # float32 [num_sample_rows, vocab]
+    head: torch.Tensor | None  # a verification graph's greedy verification
 
 
 @dataclass
@@ -112,6 +126,12 @@ class StepInputBuilder:
         self._sample_rows(step, plan, reqs, starts + q_lens, ends, drafts, total)
         self._prompt_rows(step, plan, reqs, ends - q_lens, nst)
         return step, plan
+
+    def forget(self, request_ids: set[str]) -> StepInput:
+        """A step with no batch that makes every worker forget ``request_ids`` (ended requests)."""
+        for rid in request_ids:
+            self.sent.pop(rid, None)
+        return StepInput(dropped=list(request_ids))
 
     def _table_updates(self, req_ids: list[str], kv: KVCacheManager) -> list[tuple[str, int, list[int]]]:
         """Each scheduled request's table change since the workers last saw it: all of it when new

@@ -36,10 +36,11 @@ class DraftBatch:
 class DraftProposal:
     """Drafts per request (each at most its ``num_draft_tokens``, possibly empty), and optionally
     their draft distributions q: ``draft_probs[b]`` is ``[len(token_ids[b]), vocab]`` float32 on the
-    device. Without ``draft_probs`` the rejection sampler treats each draft as q = one-hot."""
+    device, or None for a request whose drafts are q = one-hot. Without ``draft_probs`` the rejection
+    sampler treats each draft as q = one-hot."""
 
     token_ids: list[list[int]]
-    draft_probs: list[torch.Tensor] | None = None
+    draft_probs: list[torch.Tensor | None] | None = None
 
 
 class Drafter(ABC):

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from kvforge.attention import BatchLayout
-from kvforge.builder import select_attention_backend
-from kvforge.model import quantization
-from kvforge.model.interface import attention_features
-from kvforge.model.loader import load_model, load_model_config, resolve_model_source
+from kvforge.model.loader import load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
-from kvforge.rank.input_buffers import HostInputs, h2d
+from kvforge.rank.batch_layout import lay_out_batch
+from kvforge.rank.cuda_graphs import CUDAGraphRunner
+from kvforge.rank.input_buffers import StagingBuffers, h2d
+from kvforge.rank.kv_sizing import bytes_per_block
+from kvforge.rank.model_build import RankModel, build_model, checkpoint_quantization, hidden_states, quantization_method
+from kvforge.request import Request
 from kvforge.spec_decode.drafter import DraftBatch, Drafter, DraftProposal
 
 logger = logging.getLogger(__name__)
@@ -57,48 +58,45 @@ class DraftModelDrafter(Drafter):
         if self.vocab_size and mc.vocab_size != self.vocab_size:
             raise ValueError(f"speculative_config: model: the draft model {src.name!r} has a vocabulary of "
                              f"{mc.vocab_size} tokens and the target {self.vocab_size}; they must share one")
-        name, cls = select_attention_backend(get_plugin_manager(), attention_backend, device=self.device,
-                                             dtype=self.dtype, head_size=mc.head_dim, block_size=self.block_size,
-                                             features=attention_features(get_plugin_manager().get(
-                                                 "model", mc.architecture), mc))
-        self.attn = cls(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_size=mc.head_dim,
-                        scale=mc.attention_scale, block_size=self.block_size, dtype=self.dtype, device=self.device)
         pm = get_plugin_manager()
-        method = quantization.resolve(quantization.registered(pm), None, mc)  # a pre-quantized draft's
-        quant = pm.get("quantization_method", method)(model_config=mc) if method else None
-        self.model = load_model(src, mc, self.attn, self.dtype, self.device, quant=quant)
+        # the same build as the engine's worker: unsharded, the KV cache in the model dtype, the
+        # quantization its checkpoint declares (kvforge.rank.model_build)
+        built = build_model(pm, src, mc, attention_backend=attention_backend, device=self.device, dtype=self.dtype,
+                            block_size=self.block_size,
+                            quant=quantization_method(pm, checkpoint_quantization(pm, mc), mc))
+        self.attn = built.attn
+        self.model: RankModel | None = built.model
         self.enforce_eager = enforce_eager
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: Any = None
-        self.staging: list[HostInputs] = []
+        self.graphs: CUDAGraphRunner | None = None
+        self.staging: StagingBuffers | None = None  # one set per forward of a proposal (its k forwards)
+        self.max_blocks = 0
         self.computed: dict[str, tuple[int, int]] = {}  # request -> (tokens with draft K/V, its preemptions then)
         self.generators: dict[str, torch.Generator] = {}
-        logger.info("draft model %s (%d layers) on attention backend %s", src.name, mc.num_hidden_layers, name)
+        logger.info("draft model %s (%d layers) on attention backend %s", src.name, mc.num_hidden_layers,
+                    built.attn_name)
 
     # -- set-up ----------------------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int) -> int:
-        shape = self.attn.kv_cache_shape(1)
-        return int(np.prod(shape)) * self.dtype.itemsize * self.model_config.num_hidden_layers
+        return bytes_per_block(self.attn, self.model_config.num_hidden_layers)
 
     def initialize(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int) -> None:
         self.kv_caches = self.attn.allocate_kv_cache(num_blocks, self.model_config.num_hidden_layers)
         self.max_blocks = -(-max_model_len // block_size)
+        top = max_num_seqs
         if (self.device.type == "cuda" and not self.enforce_eager
                 and type(self.attn).capabilities.supports_cuda_graphs):
-            from kvforge.rank.cuda_graphs import CUDAGraphRunner
-
             # q=1: the decode steps, and a catch-up of one new token; q=2: a catch-up after a fully
             # accepted run (the last draft and the target's bonus token)
-            self.graphs = CUDAGraphRunner(self.model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
+            self.graphs = CUDAGraphRunner(self._model(), self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
                                           max_model_len=max_model_len, device=self.device, query_lens=(1, 2))
             self.graphs.capture()
-            # one set of pinned host buffers per forward of a proposal (catch-up, then k - 1 decode
-            # steps): their copies to the device stay queued while the next forward is prepared
             top = self.graphs.sizes[-1]
-            self.staging = [HostInputs(2 * top, top, self.max_blocks, pin=True)
-                            for _ in range(self.num_speculative_tokens)]
+        # pinned host buffers, one set per forward of a proposal (catch-up, then k - 1 decode steps): their
+        # copies to the device stay queued while the next forward is laid out (grown for a long catch-up)
+        self.staging = StagingBuffers(2 * top, top, self.max_blocks, self.device, num_sets=self.num_speculative_tokens)
 
-    def release(self, request_ids) -> None:
+    def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.computed.pop(rid, None)
             self.generators.pop(rid, None)
@@ -106,6 +104,7 @@ class DraftModelDrafter(Drafter):
     def shutdown(self) -> None:
         self.graphs = self.model = None  # the graphs (and their memory pool) first: they hold the model's tensors
         self.kv_caches = []
+        self.staging = None
 
     # -- one proposal ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -117,6 +116,8 @@ class DraftModelDrafter(Drafter):
             return DraftProposal(token_ids, probs)
         reqs = [batch.requests[b] for b in active]
         ks = [batch.num_draft_tokens[b] for b in active]
+        if batch.block_tables is None:
+            raise ValueError("draft_model: the batch has no block tables (its KV cache shares the target's blocks)")
         tables = [batch.block_tables[b] for b in active]
         starts = []
         for r in reqs:
@@ -131,8 +132,7 @@ class DraftModelDrafter(Drafter):
         # catch up: every token not yet seen, up to the newest; its last row gives draft 1
         starts = num_tokens - lens
         chunks = [r.tokens(int(s), r.num_tokens) for r, s in zip(reqs, starts)]
-        positions = np.concatenate([np.arange(s, n) for s, n in zip(starts, num_tokens)])
-        hidden = self._forward(np.concatenate(chunks), positions, lens, num_tokens, tables, stage=0)
+        hidden = self._forward(np.concatenate(chunks), starts, lens, tables, stage=0)
         if lens.max() == lens.min():  # uniform: the last row of each is every q-th
             last = hidden.view(len(reqs), int(lens[0]), -1)[:, -1]
         else:
@@ -148,8 +148,7 @@ class DraftModelDrafter(Drafter):
             if len(live) < len(prev):
                 keep = [n for n, i in enumerate(prev) if ks[i] > j]
                 tok = tok[h2d(keep, torch.long, self.device)]
-            pos = num_tokens[live] + j - 1
-            hidden = self._forward(tok, pos, np.ones(len(live), dtype=np.int64), pos + 1,
+            hidden = self._forward(tok, num_tokens[live] + j - 1, np.ones(len(live), dtype=np.int64),
                                    [tables[i] for i in live], stage=j)
             tok = self._draw(hidden, [reqs[i] for i in live], [qs[i] for i in live])
             steps.append((live, tok))
@@ -166,61 +165,51 @@ class DraftModelDrafter(Drafter):
             probs[b] = torch.stack(qs[i]) if qs[i] else None
         return DraftProposal(token_ids, probs)
 
-    def _forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, q_lens: np.ndarray,
-                 seq_lens: np.ndarray, tables: list[list[int]], stage: int) -> torch.Tensor:
-        """One draft forward over a varlen batch (``ids`` on the host or the device); returns hidden
-        states [tokens, hidden]. A uniform batch of a captured query length replays a CUDA graph,
-        its inputs staged in the pinned buffers of ``stage``."""
-        n = len(q_lens)
-        q = int(q_lens[0])
+    def _forward(self, ids: np.ndarray | torch.Tensor, starts: np.ndarray, q_lens: np.ndarray,
+                 tables: Sequence[Sequence[int]], stage: int) -> torch.Tensor:
+        """One draft forward over a varlen batch, request i's ``q_lens[i]`` tokens from position
+        ``starts[i]`` (``ids`` on the host or the device); returns hidden states [tokens, hidden]. Laid
+        out as the worker lays out a step (``kvforge.rank.batch_layout.lay_out_batch``) in the pinned
+        buffers of ``stage``; a uniform batch of a captured query length replays a CUDA graph."""
+        n, q = len(q_lens), int(q_lens[0])
         g = self.graphs
         sizes = g.sizes_for.get(q) if g is not None else None
-        if not sizes or n > sizes[-1] or (q_lens != q).any():
-            block_tables = self._block_tables(np.zeros((n, self.max_blocks), dtype=np.int32), tables)
-            qsl = np.zeros(n + 1, dtype=np.int32)
-            np.cumsum(q_lens, out=qsl[1:])
-            layout = BatchLayout(qsl, seq_lens.astype(np.int32), block_tables,
-                                 self._slots(block_tables, q_lens, positions))
-            meta = self.attn.build_metadata(layout)
-            ids_t = ids if isinstance(ids, torch.Tensor) else h2d(ids, torch.long, self.device)
-            return self.model(ids_t, h2d(positions, torch.long, self.device), self.kv_caches, meta)
-        rows = next(s for s in sizes if s >= n)  # padding rows: context q, nothing written (slot -1)
-        tokens = rows * q
-        buf = self.staging[stage]
-        block_tables = self._block_tables(buf.block_tables(rows, self.max_blocks), tables)
-        slots = buf.np["slot_mapping"][:tokens]
-        slots.fill(-1)
-        slots[:n * q] = self._slots(block_tables, q_lens, positions)
-        lens = buf.np["seq_lens"][:rows]
-        lens.fill(q)
-        lens[:n] = seq_lens
-        qsl = buf.np["query_start_loc"][:rows + 1]
-        qsl[:] = np.arange(rows + 1) * q
-        pos = buf.np["positions"][:tokens]
-        pos.fill(0)
-        pos[:n * q] = positions
-        g.positions[:tokens].copy_(buf.tensors["positions"][:tokens], non_blocking=True)
+        graph_key = None
+        if sizes and n <= sizes[-1] and not (q_lens != q).any():
+            graph_key = (next(s for s in sizes if s >= n), q)  # padding rows: context q, nothing written
+        num_tokens = n * q if graph_key is not None else int(q_lens.sum())
+        rows = graph_key[0] if graph_key is not None else n
+        buf = self._staging().at(stage, rows * q if graph_key is not None else num_tokens, rows, self.max_blocks)
+        layout = lay_out_batch(buf, starts, q_lens, num_tokens, tables, block_size=self.block_size,
+                               width=self.max_blocks, graph_key=graph_key)
+        pinned = buf.tensors
+        if not isinstance(ids, torch.Tensor):
+            buf.np["input_ids"][:num_tokens] = ids
+        if g is None or graph_key is None:
+            ids_t = ids if isinstance(ids, torch.Tensor) else pinned["input_ids"][:num_tokens].to(self.device, non_blocking=True)
+            pos_t = pinned["positions"][:num_tokens].to(self.device, non_blocking=True)
+            return hidden_states(self._model()(ids_t, pos_t, self.kv_caches, self.attn.build_metadata(layout)))
+        g.positions[:layout.num_tokens].copy_(pinned["positions"][:layout.num_tokens], non_blocking=True)
         if isinstance(ids, torch.Tensor):
-            g.input_ids[:n * q].copy_(ids)
+            g.input_ids[:num_tokens].copy_(ids)
         else:
-            buf.np["input_ids"][:n * q] = ids
-            g.input_ids[:n * q].copy_(buf.tensors["input_ids"][:n * q], non_blocking=True)
-        return g.replay(BatchLayout(qsl, lens, block_tables, slots))[:n * q]
+            g.input_ids[:num_tokens].copy_(pinned["input_ids"][:num_tokens], non_blocking=True)
+        return g.replay(layout)[:num_tokens]
 
-    def _block_tables(self, out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
-        for i, t in enumerate(tables):
-            out[i, :len(t)] = t[:self.max_blocks]
-        return out
+    def _model(self) -> RankModel:
+        if self.model is None:
+            raise RuntimeError("draft_model: the drafter was shut down")
+        return self.model
 
-    def _slots(self, block_tables: np.ndarray, q_lens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
-        bs = self.block_size
-        return block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    def _staging(self) -> StagingBuffers:
+        if self.staging is None:
+            raise RuntimeError("draft_model: propose before initialize (or after shutdown)")
+        return self.staging
 
-    def _draw(self, hidden: torch.Tensor, reqs: list, qs: list[list[torch.Tensor]]) -> torch.Tensor:
+    def _draw(self, hidden: torch.Tensor, reqs: list[Request], qs: list[list[torch.Tensor]]) -> torch.Tensor:
         """One draft token per row, on the device: the argmax for greedy requests; for sampled ones a
         token drawn at the request's temperature, its distribution appended to ``qs[i]``."""
-        logits = self.model.compute_logits(hidden).float()
+        logits = self._model().compute_logits(hidden).float()
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if r.sampling_params.temperature > 0]
         if sampled:
@@ -237,7 +226,7 @@ class DraftModelDrafter(Drafter):
                 qs[i].append(probs[row])
         return tokens
 
-    def _generator(self, req: Any) -> torch.Generator | None:
+    def _generator(self, req: Request) -> torch.Generator | None:
         """Seeded requests draft from their own stream, so their drafts (and outputs) repeat run to run."""
         seed = req.sampling_params.seed
         if seed is None:

@@ -69,9 +69,9 @@ def test_staging_buffers_are_reused(engines):
     """No per-step host allocation: every step lays out in one of two fixed pinned-buffer sets."""
     on, _ = engines
     runner = on.llm_engine.runner.worker  # the driver worker lays the steps out
-    ptrs = {id(s): s.tensors["input_ids"].data_ptr() for s in runner.staging.sets}
+    ptrs = {id(s): s.tensors["input_ids"].data_ptr() for s in runner.buffers.staging.sets}
     on.generate([[7, 8, 9]] * 3, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert {id(s): s.tensors["input_ids"].data_ptr() for s in runner.staging.sets} == ptrs
+    assert {id(s): s.tensors["input_ids"].data_ptr() for s in runner.buffers.staging.sets} == ptrs
 
 
 def test_default_is_on_for_cuda_only(tiny_llm):

@@ -95,10 +95,10 @@ def test_prompt_logprobs_come_from_the_prefill_forwards_in_bounded_slices(tiny_l
     # Prompt logprobs add no forward: each prompt chunk's forward also gives its positions' logits, at
     # most prompt_logprobs_rows at a time, with one log-softmax / top-k per slice (none per position).
     import kvforge.rank.model_runner as model_runner
-    import kvforge.rank.worker as worker
+    import kvforge.rank.prompt_logits as prompt_logits
 
     engine = tiny_llm.llm_engine
-    monkeypatch.setattr(worker, "PROMPT_LOGPROBS_SLICE_BYTES", engine.model_config.vocab_size * 12 * 7)
+    monkeypatch.setattr(prompt_logits, "PROMPT_LOGPROBS_SLICE_BYTES", engine.model_config.vocab_size * 12 * 7)
     if chunk is not None:  # the prompt runs in chunks of 16 tokens
         monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", chunk)
     model = engine.runner.model

@@ -149,7 +149,7 @@ def test_fp8_profiles_twice_the_blocks_of_bf16():
 def test_graph_decode_over_fp8_with_checkpoint_like_scales_matches_eager(name, monkeypatch):
     """Scales set at load time, as a checkpoint's k_scale/v_scale would be: the captured graphs read
     them (triton: from the device tensor; flashinfer: the floats captured at capture time)."""
-    import kvforge.rank.worker as worker_mod
+    import kvforge.rank.model_build as worker_mod  # where the worker (and the draft model) load weights
 
     backend_class(name)
     load = worker_mod.load_model
