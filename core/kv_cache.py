@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Hashable, Sequence
 
 from kvforge.request import Request
 
@@ -70,7 +70,7 @@ class KVCacheManager(ABC):
     name: str = ""
 
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0, sliding_window: int | None = None, **options: Any):
+                 num_cpu_blocks: int = 0, sliding_window: int | None = None, **options: object):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:

@@ -1,4 +1,8 @@
-"""The engine's state for one request: its tokens, progress and status."""
+"""The engine's state for one request: its tokens, progress and status.
+
+The scheduler's base class (``kvforge.scheduler``) owns a request's life: it applies tokens, decides
+token-level stops and writes a finished status; everyone else reads (docs/plugins.md says what a
+scheduler policy may set)."""
 from __future__ import annotations
 
 import enum
@@ -59,7 +63,6 @@ class Request:
     # n > 1: sample 0 computes the prompt once; when its prefill completes, these samples take its
     # blocks by reference (copy-on-write) and draw their first tokens from the same logits.
     forks: list["Request"] = field(default_factory=list)
-    external_tokens: bool = False  # beam search: the driver appends tokens, not the scheduler
     fork_of: "Request | None" = None
     # async scheduling: how many tokens a launched step samples for this request that the host has
     # not seen yet; each is PLACEHOLDER at the end of output_token_ids (the runner reads them from the device)
@@ -129,31 +132,3 @@ class Request:
         if self.num_placeholders:
             del self.output_token_ids[-self.num_placeholders:]
             self.num_placeholders = 0
-
-    def apply_tokens(self, tokens: list[int]) -> int:
-        """Append one step's tokens in order, the first ones replacing placeholders, and stop at the
-        first stop condition: the tokens after it are dropped. Returns how many were kept."""
-        for i, token in enumerate(tokens):
-            if self.num_placeholders:
-                self.output_token_ids[-self.num_placeholders] = token
-                self.num_placeholders -= 1
-            else:
-                self.output_token_ids.append(token)
-            if self.check_stop():
-                self.drop_placeholders()
-                return i + 1
-        return len(tokens)
-
-    def check_stop(self) -> bool:
-        """After a token was appended: set the finished status if a stop condition holds."""
-        last = self.output_token_ids[-1]
-        params = self.sampling_params
-        if not params.ignore_eos and last in params._eos_token_ids:
-            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
-        elif params.stop_token_ids and last in params.stop_token_ids:
-            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
-        elif len(self.output_token_ids) >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-        else:
-            return False
-        return True

@@ -1,21 +1,26 @@
 """Beam search over forked sequences: beams share KV blocks copy-on-write and fork on divergence.
 
-Every live beam is a sequence in the scheduler whose tokens the driver (not the sampler) chooses.
-Each round, every beam computes its newest token and returns the top ``2 * beam_width`` next-token
-log-probabilities; the driver ranks all candidates, keeps the best ``beam_width`` that continue
-and records those that end (EOS or the length limit), exactly as transformers' beam search does
-(``early_stopping=False``). A kept candidate reuses its parent's sequence; a second child of the
-same parent forks it (shared blocks, the partial last block copied on its first write); parents
-with no child are freed.
+Every live beam is a driven request of the scheduler (``Scheduler.add_driven``): this driver, not
+the sampler, chooses its tokens. Each round, every beam computes its newest token and returns the top
+``2 * beam_width`` next-token log-probabilities; the driver ranks all candidates, keeps the best
+``beam_width`` that continue and records those that end (EOS or the length limit), exactly as
+transformers' beam search does (``early_stopping=False``). A kept candidate reuses its parent's
+sequence; a second child of the same parent forks it (``Scheduler.fork``: shared blocks, the partial
+last block copied on its first write); parents with no child are aborted; each beam then takes its
+token (``Scheduler.append_tokens``). The driver only asks the scheduler: it never writes its queues.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Iterator
 
-from kvforge.request import Request, RequestStatus
+from kvforge.request import Request
 from kvforge.sampling_params import SamplingParams
+from kvforge.scheduler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from kvforge.engine.llm_engine import LLMEngine
 
 
 @dataclass
@@ -52,7 +57,7 @@ class BeamSearchOutput:
 class _Beam:
     req: Request
     cum: float
-    ready: Any = None  # the TokenLogprobs of its newest position, once computed
+    ready: TokenLogprobs | None = None  # the log-probabilities at its newest position, once computed
 
 
 @dataclass
@@ -63,7 +68,7 @@ class _Search:
     done: bool = False
 
 
-def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Run beam search for every prompt (token ids) on ``engine`` (an LLMEngine).
 
     Prompts run in groups whose beams all fit in the KV pool at full length: beams never wait for
@@ -79,7 +84,9 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams)
         if n > pool:
             raise ValueError(f"beam_width: {params.beam_width} beams of {len(p) + params.max_tokens} tokens need "
                              f"{n} KV blocks; the pool has {pool}")
-    outputs, group, used = [], [], 0
+    outputs: list[BeamSearchOutput] = []
+    group: list[list[int]] = []
+    used = 0
     for p, n in zip(prompts, need):
         if group and used + n > pool:
             outputs += _beam_search_group(engine, group, params)
@@ -89,16 +96,16 @@ def beam_search(engine: Any, prompts: list[list[int]], params: BeamSearchParams)
     return outputs + (_beam_search_group(engine, group, params) if group else [])
 
 
-def _beam_search_group(engine: Any, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def _beam_search_group(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     w = params.beam_width
     eos = set(engine.eos_token_ids) if not params.ignore_eos else set()
     ids = itertools.count()
     searches = []
     for prompt in prompts:
         req = _new_request(f"beam-{next(ids)}", prompt, [], 2 * w, params.max_tokens)
-        engine.scheduler.add(req)
+        engine.scheduler.add_driven(req)
         searches.append(_Search(prompt, [_Beam(req, 0.0)]))
-    by_id = {s.beams[0].req.request_id: (s, s.beams[0]) for s in searches}
+    by_id: dict[str, tuple[_Search, _Beam]] = {s.beams[0].req.request_id: (s, s.beams[0]) for s in searches}
     try:
         while any(not s.done for s in searches):
             engine.step()
@@ -122,18 +129,16 @@ def _beam_search_group(engine: Any, prompts: list[list[int]], params: BeamSearch
 
 def _new_request(rid: str, prompt: list[int], generated: list[int], k: int, max_tokens: int) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k, ignore_eos=True)
-    req = Request(rid, list(prompt), params, max_tokens=max_tokens + 1)
-    req.output_token_ids = list(generated)
-    req.external_tokens = True
-    return req
+    return Request(rid, list(prompt), params, max_tokens=max_tokens + 1, output_token_ids=list(generated))
 
 
-def _advance(engine: Any, s: _Search, params: BeamSearchParams, eos: set[int], ids, by_id) -> None:
+def _advance(engine: LLMEngine, s: _Search, params: BeamSearchParams, eos: set[int], ids: Iterator[int],
+             by_id: dict[str, tuple[_Search, _Beam]]) -> None:
     """One round of transformers' beam search for one prompt, on the beams' fresh logprobs."""
     w, lp = params.beam_width, params.length_penalty
     gen_len = len(s.beams[0].req.output_token_ids) + 1  # generated tokens once the new one is added
-    cands = sorted(((b.cum + v, t, b) for b in s.beams for t, v in zip(b.ready.top_ids, b.ready.top_logprobs)),
-                   key=lambda c: c[0], reverse=True)[:2 * w]
+    cands = sorted(((b.cum + v, t, b) for b in s.beams if b.ready is not None  # (all are, by now)
+                    for t, v in zip(b.ready.top_ids, b.ready.top_logprobs)), key=lambda c: c[0], reverse=True)[:2 * w]
     hit_max = gen_len >= params.max_tokens
     for rank, (cum, tok, beam) in enumerate(cands):
         if rank < w and (tok in eos or hit_max):
@@ -150,34 +155,29 @@ def _advance(engine: Any, s: _Search, params: BeamSearchParams, eos: set[int], i
     if s.done:
         return
     # children: the first child of a parent takes over its sequence; others fork it
-    sched, kv = engine.scheduler, engine.kv_cache
-    new_beams, reused = [], set()
+    sched = engine.scheduler
+    new_beams: list[tuple[_Beam, int]] = []  # each with the token it takes
+    reused: set[int] = set()
     for cum, tok, parent in keep:
         if id(parent) not in reused:
             reused.add(id(parent))
             child = parent
-            child.pending = tok
         else:
             req = _new_request(f"beam-{next(ids)}", s.prompt, parent.req.output_token_ids, 2 * w, params.max_tokens)
-            kv.fork(parent.req.request_id, req.request_id)
-            req.num_computed_tokens = parent.req.num_computed_tokens
-            req.status = RequestStatus.RUNNING
-            sched.requests[req.request_id] = req
-            sched.running.append(req)
+            sched.fork(parent.req, req)
             child = _Beam(req, cum)
-            child.pending = tok
             by_id[req.request_id] = (s, child)
         child.cum = cum
-        new_beams.append(child)
+        new_beams.append((child, tok))
     for b in s.beams:
         if id(b) not in reused:
             sched.abort([b.req.request_id])
             by_id.pop(b.req.request_id, None)
-    for b in new_beams:
-        b.req.output_token_ids.append(b.pending)
+    for b, tok in new_beams:
+        sched.append_tokens(b.req, [tok])
         b.ready = None
-    s.beams = new_beams
+    s.beams = [b for b, _ in new_beams]
 
 
-def _decode(engine: Any, tokens: list[int]) -> str | None:
+def _decode(engine: LLMEngine, tokens: list[int]) -> str | None:
     return engine.tokenizer.decode(tokens, skip_special_tokens=True) if engine.tokenizer is not None else None

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
-import time
-from typing import Any
+from typing import AbstractSet, Any
 
 import torch
 
 from kvforge.builder import component, validate_plugin_tables
 from kvforge.config import EngineConfig
-from kvforge.engine.input_checks import bad_words_token_ids, check_request, tokenize_prompt
 from kvforge.engine.output_processor import OutputProcessor, ParentState
+from kvforge.engine.request_factory import RequestFactory
+from kvforge.engine.stats import EngineStats
 from kvforge.engine.structured_output import StructuredOutputManager
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.lora.registry import LoRARegistry, check_lora_request
@@ -21,19 +20,27 @@ from kvforge.lora.request import LoRARequest
 from kvforge.model import quantization
 from kvforge.model.loader import load_model_config, resolve_model_source
 from kvforge.model.tokenizer_source import tokenizer_for
-from kvforge.outputs import RequestMetrics, RequestOutput
+from kvforge.outputs import RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.rank.executor import Executor, default_backend
 from kvforge.rank.memory_budget import release_device_memory
+from kvforge.rank.messages import (
+    BatchState,
+    CaptureCudaGraphs,
+    DetermineNumBlocks,
+    InitializeCache,
+    InitializeSwapSpace,
+)
 from kvforge.rank.model_runner import ModelRunner
 from kvforge.rank.worker import WorkerSpec
-from kvforge.request import Request, RequestStatus
+from kvforge.request import Request
 from kvforge.sampler import NO_TOKEN
 from kvforge.sampling_params import SamplingParams
 from kvforge.scheduler import ModelRunnerOutput, SchedulerOutput
 from kvforge.spec_decode.decoder import SpecDecoder
 from kvforge.spec_decode.drafter import Drafter
 from kvforge.spec_decode.policy import SpecDecodeStats
+from kvforge.step_result import Failed, Finished
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +120,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings})")
         max_len = config.max_model_len or mc.max_position_embeddings
-        num_blocks = min(executor.collective_rpc(  # every rank holds every block: the fewest any can hold
-            "determine_num_blocks", num_blocks_override=config.num_gpu_blocks_override,
+        num_blocks = min(executor.call(DetermineNumBlocks(  # every rank holds every block: the fewest any can hold
+            num_blocks_override=config.num_gpu_blocks_override,
             kv_cache_memory_gib=config.kv_cache_memory_gib, gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=max_len))
+            max_model_len=max_len)))
         capacity = num_blocks * config.block_size
         if max_len > capacity:
             if config.max_model_len is not None:
@@ -126,8 +133,7 @@ class LLMEngine:
             logger.warning("max_model_len capped at the KV cache capacity: %d tokens", capacity)
             max_len = capacity
         self.max_model_len = max_len
-        executor.collective_rpc("initialize_cache", num_blocks, config.max_num_batched_tokens, config.max_num_seqs,
-                                max_len)
+        executor.call(InitializeCache(num_blocks, config.max_num_batched_tokens, config.max_num_seqs, max_len))
         if self.spec is not None:
             self.spec.drafter.initialize(num_blocks=num_blocks, block_size=config.block_size,
                                     max_num_seqs=config.max_num_seqs, max_model_len=max_len)
@@ -143,9 +149,8 @@ class LLMEngine:
             graph_qs = attn_cls.capabilities.cuda_graph_query_lens
             spec_q = tuple(q for q in ((1 + self.spec.k,) if self.spec is not None else ())
                            if graph_qs is None or q in graph_qs)
-            self.cuda_graph_capture_s = max(executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs,
-                                                                    max_len, spec_q))
-        num_cpu_blocks = min(executor.collective_rpc("initialize_swap_space", config.swap_space))
+            self.cuda_graph_capture_s = max(executor.call(CaptureCudaGraphs(config.max_num_seqs, max_len, spec_q)))
+        num_cpu_blocks = min(executor.call(InitializeSwapSpace(config.swap_space)))
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   num_cpu_blocks=num_cpu_blocks, **self._kv_window_arg(mc))
@@ -159,6 +164,7 @@ class LLMEngine:
         self.attn_backend_name = attn_name
         self.num_blocks = num_blocks
         self.outputs = OutputProcessor(self.tokenizer)
+        self._failed: list[Failed] = []  # failed since the last outputs were made; reported with the next
         self.last_runner_output = ModelRunnerOutput()
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # a launched step not yet applied
         #: pipeline parallelism: steps through the stages at once (over disjoint requests); 1 otherwise.
@@ -166,9 +172,9 @@ class LLMEngine:
         self.max_in_flight = config.pipeline_parallel_size if self.spec is None else 1
         self._pipeline: collections.deque[tuple[SchedulerOutput, Any]] = collections.deque()
         self.num_overlapped_steps = 0  # pipelined steps launched while another was in flight
-        self._structured: StructuredOutputManager | None = None
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
-        self._ids = itertools.count()
+        self.inputs = RequestFactory(config, mc, self.tokenizer, pm, max_model_len=max_len,
+                                     eos_token_ids=self.eos_token_ids)
         self.num_prompt_tokens = self.num_generation_tokens = 0
         #: requests each rank holds block tables for, read whenever the engine goes idle
         self.rank_batch_requests = [0] * executor.world_size
@@ -224,7 +230,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; ``ValueError`` naming the field."""
-        return tokenize_prompt(self.tokenizer, prompt)
+        return self.inputs.tokenize(prompt)
 
     def process_inputs(self, request_id: str | None, prompt: str | list[int] | dict,
                        params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -236,50 +242,12 @@ class LLMEngine:
         output is reported; ``lora_request``: the adapter to run under (``enable_lora``). Raises
         ``ValueError`` naming the field for bad input.
         """
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        params = params.clone() if params is not None else SamplingParams()
-        text, ids = self.tokenize(prompt)
-        check_request(ids, params, config=self.config, vocab_size=self.model_config.vocab_size,
-                      max_model_len=self.max_model_len, tokenizer=self.tokenizer,
-                      logits_processors=self.plugin_manager.names("logits_processor"),
-                      plugin_manager=self.plugin_manager)
-        lora_request = check_lora_request(self.config, lora_request)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        room = self.max_model_len - len(ids)
-        params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
-        parent = ParentState(request_id, text, ids, stream_deltas, RequestMetrics(arrival_time=time.time()),
-                             final_only=final_only)
-        children = []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = params.clone()
-                child_params._eos_token_ids = params._eos_token_ids
-                if params.seed is not None:
-                    child_params.seed = params.seed + i
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, child_params, prompt=text, priority=priority,
-                          max_tokens=min(params.max_tokens or room, room), lora_request=lora_request)
-            if params.bad_words:
-                req.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-            if params.structured_outputs is not None:
-                req.grammar = self.structured_outputs.state(params.structured_outputs)
-            if arrival_time is not None:
-                req.arrival_time = arrival_time
-            if children:
-                req.fork_of = children[0]
-                children[0].forks.append(req)
-            children.append(req)
-        return parent, children
+        return self.inputs.make(request_id, prompt, params, arrival_time=arrival_time, priority=priority,
+                                stream_deltas=stream_deltas, final_only=final_only, lora_request=lora_request)
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
-        if self._structured is None:
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                timeout=self.config.grammar_compile_timeout, cache_size=self.config.grammar_cache_size)
-        return self._structured
+        return self.inputs.structured_outputs
 
     def add_processed(self, parent: ParentState, children: list[Request]) -> None:
         """Queue a request made by :meth:`process_inputs` (engine thread only). All or nothing: an id
@@ -287,8 +255,9 @@ class LLMEngine:
         for rid in (parent.request_id, *(r.request_id for r in children)):
             if rid in self.outputs.parents or rid in self.outputs.seqs or rid in self.scheduler.requests:
                 raise ValueError(f"request_id: {rid!r} is already in use")
-        if children and children[0].lora_request is not None:  # registered on the ranks on first use
-            self.lora.ensure(children[0].lora_request)
+        lora = children[0].lora_request if children else None
+        if lora is not None and self.lora is not None:  # registered on the ranks on first use
+            self.lora.ensure(lora)
         for req in children:
             self.scheduler.add(req)
             if req.grammar is not None and not req.grammar.usable:
@@ -306,8 +275,10 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register an adapter on every rank ahead of its requests; False if it already is.
         ``ValueError`` naming the field for a bad adapter (LoRA off, a bad path, a rank over the limit)."""
-        check_lora_request(self.config, lora_request)
-        return self.lora.ensure(lora_request, revive=True)
+        lora = check_lora_request(self.config, lora_request)
+        if lora is None or self.lora is None:
+            raise ValueError("lora_request: expected kvforge.LoRARequest, got None")
+        return self.lora.ensure(lora, revive=True)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unregister an adapter (its running requests finish with it); False if it is not registered."""
@@ -356,8 +327,9 @@ class LLMEngine:
         self._inflight = None
         # speculation: the next step can only verify drafts proposed from this step's tokens, so a
         # step is overlapped only when the policy wants no drafts next
-        k_next = self.spec.next_num_drafts(self.scheduler.running) if self.spec is not None else 0
-        if (self.async_scheduling and not sched_out.is_empty and self._may_overlap(sched_out)
+        driven = self.scheduler.driven_ids
+        k_next = self.spec.next_num_drafts(self.scheduler.running, driven) if self.spec is not None else 0
+        if (self.async_scheduling and not sched_out.is_empty and self._may_overlap(sched_out, driven)
                 and not sched_out.draft_token_ids and not k_next):
             self._inflight = (sched_out, handle)
         else:
@@ -386,7 +358,8 @@ class LLMEngine:
             self.num_overlapped_steps += bool(self._pipeline)  # launched while another was in flight
             self._pipeline.append((sched_out, handle))
         # beam search reads each step's result before it extends its beams: nothing stays in flight
-        flush = any(r.external_tokens for r in sched_out.scheduled)
+        driven = self.scheduler.driven_ids
+        flush = bool(driven) and any(r.request_id in driven for r in sched_out.scheduled)
         while self._pipeline and (len(self._pipeline) >= self.max_in_flight or sched_out.is_empty or flush):
             done = self._pipeline.popleft()
             for req in done[0].scheduled:
@@ -406,27 +379,30 @@ class LLMEngine:
             self.lora.release_retired()
         if ids:
             self.runner.release(ids)
-            self.rank_batch_requests = [s["requests"] for s in self.executor.collective_rpc("batch_state")]
+            self.rank_batch_requests = [s["requests"] for s in self.executor.call(BatchState())]
 
     def _decoding(self) -> list[Request]:
         """Running requests whose next step decodes one token of their own (drafts may join it)."""
-        return [r for r in self.scheduler.running if not r.finished and not r.external_tokens
+        driven = self.scheduler.driven_ids
+        return [r for r in self.scheduler.running if not r.finished and r.request_id not in driven
                 and r.num_tokens - r.num_computed_tokens == 1]
 
     @staticmethod
-    def _may_overlap(sched_out: SchedulerOutput) -> bool:
+    def _may_overlap(sched_out: SchedulerOutput, driven: AbstractSet[str]) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: none of
-        its requests reads its own sampled tokens on the host to build the next step."""
+        its requests reads its own sampled tokens on the host to build the next step (a driven one's
+        caller chooses its next token from this step's logprobs)."""
         for req in sched_out.scheduled:
             p = req.sampling_params
-            if (req.external_tokens or req.forks or req.grammar is not None or req.bad_words_token_ids
+            if (req.request_id in driven or req.forks or req.grammar is not None or req.bad_words_token_ids
                     or p.logits_processors or p.min_tokens or p.presence_penalty or p.frequency_penalty
                     or p.repetition_penalty != 1.0):
                 return False
         return True
 
     def _complete(self, step: tuple[SchedulerOutput, Any]) -> list[RequestOutput]:
-        """Wait for a launched step, apply its tokens to the requests and build their outputs."""
+        """Wait for a launched step; the scheduler applies its tokens (a :class:`StepResult`), the
+        output processor detokenizes and finds stop strings, the scheduler ends those; then outputs."""
         sched_out, handle = step
         runner_out = handle.result()
         self.last_runner_output = runner_out  # beam search reads the beams' logprobs here
@@ -436,40 +412,48 @@ class LLMEngine:
             self.fail_request(rid, NOTHING_TO_SAMPLE)
         if self.spec is not None:
             self.spec.record(sched_out, sampled)
-        before = {r.request_id: len(r.output_token_ids) - r.num_placeholders for r in sched_out.scheduled}
-        updated = self.scheduler.update(sched_out, runner_out)
-        for req in updated:
-            if req.grammar is not None and not req.finished:
-                self._advance_grammar(req)
-            self.num_generation_tokens += len(req.output_token_ids) - before.get(req.request_id, 0)
-        self.num_prompt_tokens += sum(r.num_prompt_tokens for r in updated if before.get(r.request_id, 0) == 0)
-        return self.outputs.process(updated, runner_out, self._stop_by_string, self.fail_request)
+        result = self.scheduler.update(sched_out, runner_out)
+        for new in result.new_tokens:
+            req = new.request
+            if req.grammar is not None and not req.finished and (end := self._advance_grammar(req)) is not None:
+                result.finished.append(end)
+            self.num_generation_tokens += len(new.token_ids)
+            if len(req.output_token_ids) == len(new.token_ids):  # its first tokens: its prompt is done
+                self.num_prompt_tokens += req.num_prompt_tokens
+        result.failed, self._failed = self._failed, []  # since the last outputs: launch, sampling, grammar
+        decisions = self.outputs.detokenize(result, runner_out)
+        for stop in decisions.stops:
+            result.finished.append(self.scheduler.stop(stop.request, stop.stop,
+                                                       num_output_tokens=stop.num_output_tokens))
+        for rid, failure in decisions.failures:  # reported with the next outputs, as any later failure
+            self.fail_request(rid, failure)
+        return self.outputs.make_outputs(result, decisions)
 
-    def _advance_grammar(self, req: Request) -> None:
-        """Advance the grammar by the step's new tokens (several when drafts were accepted)."""
+    def _advance_grammar(self, req: Request) -> Finished | None:
+        """Advance the grammar by the step's new tokens (several when drafts were accepted); returns
+        the request's end when the grammar terminated."""
         g = req.grammar
         try:
             for token in req.output_token_ids[g.num_accepted:]:
                 if not g.accept(token):
                     self.fail_request(req.request_id, RequestFailure(
                         "structured_outputs: the grammar rejected a sampled token", 500))
-                    return
+                    return None
                 g.num_accepted += 1
                 if g.terminated:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                    return
+                    return self.scheduler.stop(req)
         except Exception as exc:
             if is_device_error(exc):
                 raise
             self.fail_request(req.request_id, RequestFailure.from_exception(exc, "structured_outputs"))
+        return None
 
     def fail_request(self, seq_id: str, failure: RequestFailure) -> None:
         """End a request that failed on its own, with all its ``n`` samples: their blocks are freed now
         and the failure is reported in the request's next output. Every other request carries on."""
         seq = self.outputs.seqs.get(seq_id)
         ids = [s.request.request_id for s in seq.parent.seqs] if seq is not None else [seq_id]
-        failed = self.scheduler.fail_requests(ids, failure)
-        self.outputs.pending_finished.extend(failed)
+        self._failed += self.scheduler.fail_requests(ids, failure)
         logger.warning("request %s failed: %s", seq.parent.request_id if seq is not None else seq_id,
                        failure.message)
 
@@ -481,10 +465,7 @@ class LLMEngine:
                 if not req.finished and req.grammar.error is not None:
                     self.fail_request(rid, RequestFailure(req.grammar.error, 400))
 
-    def _stop_by_string(self, seq_id: str, stop: str) -> None:
-        self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED, stop)
-
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self) -> EngineStats:
         kv = self.kv_cache.stats()
         sch = self.scheduler.stats()
         return {"num_running": sch.num_running, "num_waiting": sch.num_waiting,

@@ -1,5 +1,13 @@
-"""Turns the scheduler's token updates into ``RequestOutput``s: detokenization, stop strings,
-logprobs, and the fan-in of a request's ``n`` samples (each sample runs as its own sequence)."""
+"""Turns the scheduler's step results into ``RequestOutput``s: detokenization, stop strings,
+logprobs, and the fan-in of a request's ``n`` samples (each sample runs as its own sequence).
+
+It writes no request state. A stop string needs the detokenized text, so the processor decides it,
+but the scheduler applies it: a step's outputs are made in two calls, with the engine in between:
+
+    detokenize(result) -> TextDecisions   text, logprobs, metrics; the stop strings reached
+    (engine) Scheduler.stop(...) for each stop, fail_request(...) for each failed detokenization
+    make_outputs(result, decisions) -> list[RequestOutput]
+"""
 from __future__ import annotations
 
 import time
@@ -10,7 +18,29 @@ from kvforge.errors import RequestFailure, is_device_error
 from kvforge.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvforge.request import Request
 from kvforge.scheduler import ModelRunnerOutput, TokenLogprobs
+from kvforge.step_result import StepResult
 from kvforge.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class StopString:
+    """A sequence's text reached a stop string: the engine has the scheduler end it (status ``"stop"``,
+    ``stop_reason`` the string) and keep its first ``num_output_tokens`` output tokens, up to the one
+    that completed the string."""
+
+    request: Request
+    stop: str
+    num_output_tokens: int
+
+
+@dataclass
+class TextDecisions:
+    """What detokenizing a step decided, for the engine to have the scheduler apply before the outputs
+    are made."""
+
+    time: float  # when the step's outputs were made (time.time()): its token and finished times
+    stops: list[StopString] = field(default_factory=list)
+    failures: list[tuple[str, RequestFailure]] = field(default_factory=list)  # detokenization raised
 
 
 @dataclass
@@ -52,7 +82,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.seqs: dict[str, SeqState] = {}  # sequence (scheduler) request id -> state
-        self.pending_finished: list[Request] = []  # ended outside a step's update (failed grammar)
         # token id -> its text alone, for logprob entries (prompt logprobs decode k + 1 ids a position);
         # at most one string per vocabulary entry
         self.token_texts: dict[int, str] = {}
@@ -80,17 +109,12 @@ class OutputProcessor:
             self.seqs.pop(s.request.request_id, None)
         return [s.request.request_id for s in parent.seqs]
 
-    def process(self, updated: list[Request], runner_out: ModelRunnerOutput, finish: Any,
-                fail: Any) -> list[RequestOutput]:
-        """``finish(seq_id, stop_string)`` ends a sequence whose text hit a stop string;
-        ``fail(seq_id, RequestFailure)`` ends a request whose detokenization or stop check raised."""
-        now = time.time()
-        touched: dict[str, ParentState] = {}
-        for req in self.pending_finished:
-            seq = self.seqs.get(req.request_id)
-            if seq is not None:
-                touched[seq.parent.request_id] = seq.parent
-        self.pending_finished = []
+    def detokenize(self, result: StepResult, runner_out: ModelRunnerOutput) -> TextDecisions:
+        """The first half of a step's outputs: the metrics, logprobs and text of every sequence that
+        took tokens, and the stop strings its text reached (the scheduler applies them). A sequence
+        whose detokenization or stop check raised is reported in ``failures``."""
+        decisions = TextDecisions(time.time())
+        now = decisions.time
         for rid, (first_pos, entries) in runner_out.prompt_logprobs.items():
             seq = self.seqs.get(rid)
             if seq is not None and seq.parent.prompt_logprobs is not None:
@@ -98,61 +122,79 @@ class OutputProcessor:
                 for j, e in enumerate(entries):
                     if first_pos + j == len(plp):  # positions recomputed after preemption are skipped
                         plp.append(self._logprob_dict(e))
-        for req in updated:
-            seq = self.seqs.get(req.request_id)
+        for new in result.new_tokens:
+            seq = self.seqs.get(new.request_id)
             if seq is None:
                 continue
-            parent = seq.parent
-            m = parent.metrics
+            m = seq.parent.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
             if seq.logprobs is not None:
-                seq.logprobs.extend(self._logprob_dict(e) for e in runner_out.logprobs.get(req.request_id, ()))
+                seq.logprobs.extend(self._logprob_dict(e) for e in runner_out.logprobs.get(new.request_id, ()))
             try:
-                self._update_text(seq, finish)
+                stop = self._update_text(seq)
             except Exception as exc:
                 if is_device_error(exc):
                     raise
-                fail(req.request_id, RequestFailure.from_exception(exc, "detokenization"))
+                decisions.failures.append((new.request_id, RequestFailure.from_exception(exc, "detokenization")))
+            else:
+                if stop is not None:
+                    decisions.stops.append(stop)
+        return decisions
+
+    def make_outputs(self, result: StepResult, decisions: TextDecisions) -> list[RequestOutput]:
+        """The second half, once the scheduler applied the stops: an output for every request that
+        took tokens or failed (only the finished one for ``final_only``); finished requests are
+        forgotten."""
+        touched: dict[str, ParentState] = {}
+        for failed in result.failed:
+            seq = self.seqs.get(failed.request_id)
+            if seq is not None:
+                touched[seq.parent.request_id] = seq.parent
+        for new in result.new_tokens:
+            seq = self.seqs.get(new.request_id)
+            if seq is None:
+                continue
             if seq.logprobs is not None:  # one entry per token kept (a stop may have cut the step's tokens)
-                del seq.logprobs[len(req.output_token_ids):]
-            touched[parent.request_id] = parent
+                del seq.logprobs[len(seq.request.output_token_ids):]
+            touched[seq.parent.request_id] = seq.parent
         outputs = []
         for parent in touched.values():
             if parent.finished:
-                parent.metrics.finished_time = now
+                parent.metrics.finished_time = decisions.time
                 self.remove(parent.request_id)
             elif parent.final_only:
                 continue
             outputs.append(self.make_output(parent))
         return outputs
 
-    def _update_text(self, seq: SeqState, finish: Any) -> None:
+    def _update_text(self, seq: SeqState) -> StopString | None:
         """Detokenize the step's new tokens; with stop strings, one token at a time, so that a stop
         string found in a step of several tokens cuts the token list right after the one completing it."""
         req = seq.request
         if seq.detokenizer is None:
-            return
+            return None
         new = req.output_token_ids[seq.num_detokenized:]
         if not seq.parent.stop:
             seq.num_detokenized += len(new)
             seq.text += seq.detokenizer.add(new) + (seq.detokenizer.flush() if req.finished else "")
-            return
+            return None
         for token in new:
             seq.num_detokenized += 1
             last = seq.num_detokenized == len(req.output_token_ids)
             before = len(seq.text)
             seq.text += seq.detokenizer.add([token]) + (seq.detokenizer.flush() if last and req.finished else "")
-            if len(seq.text) > before and self._check_stop_strings(seq, before, finish):
-                del req.output_token_ids[seq.num_detokenized:]  # tokens after the stop string are dropped
-                return
+            stop = self._check_stop_strings(seq, before) if len(seq.text) > before else None
+            if stop is not None:  # the tokens after the stop string are dropped
+                return StopString(req, stop, seq.num_detokenized)
+        return None
 
     @staticmethod
-    def _check_stop_strings(seq: SeqState, before: int, finish: Any) -> bool:
-        """Whether a stop string ends in the text added after ``before``; then cut the text there and
-        finish the sequence."""
-        req, stops = seq.request, seq.parent.stop
+    def _check_stop_strings(seq: SeqState, before: int) -> str | None:
+        """The stop string that ends first in the text added after ``before``, if any; the text is cut
+        there (after it with ``include_stop_str_in_output``)."""
+        stops = seq.parent.stop
         # search only where a stop string could newly end: the new text and what could precede it
         start = max(0, before - max(len(s) for s in stops) + 1)
         hit = None
@@ -161,17 +203,11 @@ class OutputProcessor:
             if i != -1 and (hit is None or i < hit[0]):
                 hit = (i, s)
         if hit is None:
-            return False
+            return None
         i, s = hit
-        keep = req.sampling_params.include_stop_str_in_output
+        keep = seq.request.sampling_params.include_stop_str_in_output
         seq.text = seq.text[:i + len(s) if keep else i]
-        if not req.finished:
-            finish(req.request_id, s)
-        else:  # it finished this step for another reason; the stop string still wins
-            from kvforge.request import RequestStatus
-            req.stop_reason = s
-            req.status = RequestStatus.FINISHED_STOPPED
-        return True
+        return s
 
     def _logprob_dict(self, e: TokenLogprobs) -> dict[int, Logprob]:
         def dec(t: int) -> str | None:

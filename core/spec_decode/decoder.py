@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import AbstractSet, Any
 
 import torch
 
@@ -70,9 +70,10 @@ class SpecDecoder:
         self.drafter.release(sched_out.finished_request_ids)
         self.policy.release(sched_out.finished_request_ids)
 
-    def next_num_drafts(self, running: list[Request]) -> int:
-        """The policy's k for the next step (0: none, and the step just launched may stay in flight)."""
-        k = self.policy.num_draft_tokens([r.request_id for r in running if not r.external_tokens])
+    def next_num_drafts(self, running: list[Request], driven: AbstractSet[str] = frozenset()) -> int:
+        """The policy's k for the next step (0: none, and the step just launched may stay in flight).
+        ``driven``: requests whose tokens their caller appends (``Scheduler.driven_ids``): never drafted for."""
+        k = self.policy.num_draft_tokens([r.request_id for r in running if r.request_id not in driven])
         self.speculating = k > 0
         return k
 

@@ -118,7 +118,7 @@ class PagedKVCacheManager(KVCacheManager):
         num_computed = len(computed_blocks) * bs if computed_blocks else request.num_computed_tokens
         total = num_computed + num_new_tokens
         if self.sliding_window is not None and not first:
-            self._drop_behind_window(rid, table, num_computed)
+            self._drop_behind_window(rid, table, num_computed, self.sliding_window)
         reviving = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         need = -(-total // bs) - len(table) - len(computed_blocks)
         cow = self._needs_cow(table, num_computed) and num_new_tokens > 0
@@ -146,10 +146,10 @@ class PagedKVCacheManager(KVCacheManager):
             self._cache_full_blocks(request, table, min(total, known))
         return True
 
-    def _drop_behind_window(self, rid: str, table: list[int], num_computed: int) -> None:
+    def _drop_behind_window(self, rid: str, table: list[int], num_computed: int, window: int) -> None:
         """Give back the blocks no token from ``num_computed`` on can see: the next token, at position
         ``num_computed``, sees positions ``num_computed - window + 1`` and later."""
-        first_visible = max(0, num_computed - self.sliding_window + 1)
+        first_visible = max(0, num_computed - window + 1)
         end = first_visible // self.block_size  # blocks 0 .. end-1 hold only invisible positions
         if self.enable_prefix_caching:
             end = min(end, self.num_hashed.get(rid, 0))  # never cut the chain of hashes still to make

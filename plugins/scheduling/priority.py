@@ -98,7 +98,8 @@ class PriorityScheduler(FCFSScheduler):
         self.preemption_mode = preemption_mode
         self.aging_interval_s = aging_interval_s
         self.now = self.clock()  # one time per step, so that keys do not move within it
-        self.waiting = _SortedQueue(self.key)
+        # the base class's waiting queue, kept in key order; ``sorted_waiting`` is the same object, typed
+        self.waiting = self.sorted_waiting = _SortedQueue(self.key)
         self.swapped = _SortedQueue(self.key)
         self.num_preemptions_swap = 0
         self._swapped_blocks: dict[str, int] = {}  # swapped request -> its blocks in the CPU pool
@@ -117,7 +118,7 @@ class PriorityScheduler(FCFSScheduler):
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.now = self.clock()
-        self.waiting.resort()
+        self.sorted_waiting.resort()
         self.swapped.resort()
         self.running.sort(key=self.key)
         forced = self._preempt_for_head()
@@ -156,7 +157,7 @@ class PriorityScheduler(FCFSScheduler):
 
     def _preempt_for_head(self) -> list[Request]:
         """Preempt lower-priority running requests, lowest first, until the best queued one fits."""
-        heads = [h for h in (self._head(self.waiting), self._head(self.swapped)) if h is not None]
+        heads = [h for h in (self._head(self.sorted_waiting), self._head(self.swapped)) if h is not None]
         if not heads:
             return []
         head = min(heads, key=self.key)
@@ -170,7 +171,7 @@ class PriorityScheduler(FCFSScheduler):
 
     def _resume_swapped(self) -> None:
         """Swap requests back in, best first, while they come before the best waiting request."""
-        waiting_head = self._head(self.waiting)
+        waiting_head = self._head(self.sorted_waiting)
         while self.swapped:
             req = self.swapped[0]
             if waiting_head is not None and self.key(waiting_head) < self.key(req):
@@ -190,7 +191,7 @@ class PriorityScheduler(FCFSScheduler):
 
     def may_admit(self, out: SchedulerOutput) -> bool:
         """fcfs's rule, and none while a swapped request that comes first waits for room."""
-        swapped, waiting = self._head(self.swapped), self._head(self.waiting)
+        swapped, waiting = self._head(self.swapped), self._head(self.sorted_waiting)
         return super().may_admit(out) and (swapped is None or waiting is None
                                            or self.key(waiting) < self.key(swapped))
 

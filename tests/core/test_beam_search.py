@@ -13,7 +13,7 @@ def test_beams_share_blocks_and_release_them(tiny_llm, check_no_blocks, monkeypa
 
     def spy():
         out = real_step()
-        live = [r for r in engine.scheduler.running if r.external_tokens]
+        live = [r for r in engine.scheduler.running if r.request_id in engine.scheduler.driven_ids]
         if len(live) == 4:
             blocks = {b for r in live for b in engine.kv_cache.block_table(r.request_id)}
             seen.append((len(blocks), sum(len(engine.kv_cache.block_table(r.request_id)) for r in live)))

@@ -133,10 +133,10 @@ def test_a_raising_stop_string_check_fails_only_its_request(tiny_llm, monkeypatc
 
     real = OutputProcessor._update_text
 
-    def update_text(self, seq, finish):
+    def update_text(self, seq):
         if seq.request.prompt_token_ids == PROMPTS[BAD]:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real(self, seq, finish)
+        return real(self, seq)
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=["zzz"])
     baseline = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -227,7 +227,7 @@ def test_a_bad_word_that_tokenizes_to_nothing_is_refused(tiny_llm, monkeypatch):
 
 
 def test_prompt_logprobs_in_slices_match_all_at_once(tiny_llm, monkeypatch):
-    import kvforge.rank.worker as mr
+    import kvforge.rank.prompt_logits as mr
 
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     prompt = list(range(10, 60))

@@ -69,7 +69,7 @@ def test_async_schedule_before_the_token_is_known():
     assert a.output_token_ids == [PLACEHOLDER] and a.num_computed_tokens == 5
     out2 = s.schedule()
     assert out2.num_scheduled_tokens == {"a": 1}  # the placeholder's decode
-    assert s.update(out1, ModelRunnerOutput({"a": [7]})) == [a]
+    assert [new.request for new in s.update(out1, ModelRunnerOutput({"a": [7]})).new_tokens] == [a]
     s.advance(out2)
     assert a.output_token_ids == [7, PLACEHOLDER]
     out3 = s.schedule()
