@@ -11,13 +11,13 @@ rank's rows of one part, or with ``shard_id=None`` of the whole fused tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.layers.weights import check_shape
+from kvforge.layers.weights import ShardId, WeightLoader, check_shape, full_shape, set_loader
 from kvforge.model import quantization
 from kvforge.rank import parallel_state
 
@@ -27,7 +27,7 @@ class Part:
     """One checkpoint tensor inside a column-parallel weight: ``full`` rows in the checkpoint, of
     which this rank keeps ``count`` from ``start``."""
 
-    shard_id: Any
+    shard_id: ShardId
     full: int
     start: int
     count: int
@@ -37,12 +37,19 @@ class Part:
 #: to an element (``("out", 8)``: eight int4 values per int32), ``("in", d)`` the input channels per
 #: ``d`` (a packing factor or a quantization group size), or a fixed size (never split)
 Dim = Union[tuple[str, int], int]
-WEIGHT_DIMS = (("out", 1), ("in", 1))
+WEIGHT_DIMS: tuple[Dim, ...] = (("out", 1), ("in", 1))
+#: the parameter attribute holding its Dim specs
+DIMS_ATTR = "dims"
+
+
+def dims_of(param: nn.Parameter) -> tuple[Dim, ...]:
+    """The :data:`Dim` specs ``param`` was made with (``LinearBase.make_param``)."""
+    return getattr(param, DIMS_ATTR, WEIGHT_DIMS)
 
 
 def _axis(param: nn.Parameter, kind: str) -> tuple[int | None, int]:
     """The index and divisor of ``param``'s ``kind`` ("out" or "in") dimension (None: it has none)."""
-    for i, d in enumerate(param.dims):
+    for i, d in enumerate(dims_of(param)):
         if isinstance(d, tuple) and d[0] == kind:
             return i, d[1]
     return None, 1
@@ -55,6 +62,7 @@ class LinearBase(nn.Module):
     device until ``quantization.attach_all`` gives the layer its method."""
 
     quantizable = True
+    BIAS_DIMS: tuple[Dim, ...]
     input_size: int
     output_size: int  # on this rank
 
@@ -62,8 +70,12 @@ class LinearBase(nn.Module):
         """(this rank's, the checkpoint's) extent of a ``(kind, div)`` dimension."""
         raise NotImplementedError
 
-    def make_param(self, dims: tuple[Dim, ...], dtype: torch.dtype | None = None, device: Any = None,
-                   loader: Any = None) -> nn.Parameter:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's part of the checkpoint tensor ``loaded`` (or its part ``shard_id``) into ``param``."""
+        raise NotImplementedError
+
+    def make_param(self, dims: tuple[Dim, ...], dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None, loader: WeightLoader | None = None) -> nn.Parameter:
         """A parameter laid out by ``dims`` (each a :data:`Dim`), holding this rank's slice; its
         ``weight_loader`` (default: the layer's) copies that slice out of a checkpoint tensor."""
         local, full = [], []
@@ -73,9 +85,8 @@ class LinearBase(nn.Module):
             full.append(b)
         p = nn.Parameter(torch.empty(local, dtype=dtype or self.params_dtype, device=device),
                          requires_grad=False)
-        p.dims, p.full_shape = tuple(dims), tuple(full)
-        p.weight_loader = loader or self.weight_loader
-        return p
+        setattr(p, DIMS_ATTR, tuple(dims))
+        return set_loader(p, loader or self.weight_loader, tuple(full))
 
     def _init_params(self, bias: bool) -> None:
         deferred = quantization.current() is not None  # attach_all materializes or replaces it
@@ -121,27 +132,27 @@ class ColumnParallelLinear(LinearBase):
                                  f"{p.start + p.count}) does not split into whole groups of {div}")
         return self.output_size // div, sum(p.full for p in self.parts) // div
 
-    def part_rows(self, shard_id: Any) -> int:
+    def part_rows(self, shard_id: ShardId) -> int:
         """Rows of the checkpoint tensor ``shard_id`` (None: all the parts together)."""
         if shard_id is None:
             return sum(p.full for p in self.parts)
         return self._part(shard_id).full
 
-    def _part(self, shard_id: Any) -> Part:
+    def _part(self, shard_id: ShardId) -> Part:
         matches = [p for p in self.parts if p.shard_id == shard_id or len(self.parts) == 1]
         if not matches:
             raise ValueError(f"checkpoint shard {shard_id!r} is not a part of this layer "
                              f"({[p.shard_id for p in self.parts]})")
         return matches[0]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         axis, div = _axis(param, "out")
         if axis is None:  # replicated over the outputs
-            check_shape("the tensor", loaded, param.full_shape)
+            check_shape("the tensor", loaded, full_shape(param))
             param.data.copy_(loaded)
             return
         if shard_id is None and len(self.parts) > 1:  # the whole fused tensor: each part in turn
-            check_shape("the fused tensor", loaded, param.full_shape)
+            check_shape("the fused tensor", loaded, full_shape(param))
             offset = 0
             for part in self.parts:
                 self._load_part(param, loaded.narrow(axis, offset, part.full // div), part)
@@ -151,7 +162,9 @@ class ColumnParallelLinear(LinearBase):
 
     def _load_part(self, param: nn.Parameter, loaded: torch.Tensor, part: Part) -> None:
         axis, div = _axis(param, "out")
-        expected = list(param.full_shape)
+        if axis is None:
+            raise ValueError(f"part {part.shard_id!r}: the parameter has no output dimension to place it in")
+        expected = list(full_shape(param))
         expected[axis] = part.full // div
         check_shape("the tensor" if part.shard_id is None else f"part {part.shard_id!r}", loaded, tuple(expected))
         offset = sum(p.count for p in self.parts[:self.parts.index(part)]) // div
@@ -215,8 +228,8 @@ class RowParallelLinear(LinearBase):
                              f"{self.input_size} do not split into whole groups of {div}")
         return self.count // div, self.input_size // div
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        check_shape("the tensor", loaded, param.full_shape)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        check_shape("the tensor", loaded, full_shape(param))
         axis, div = _axis(param, "in")
         if axis is None:  # replicated over the inputs (a bias, a per-channel scale)
             param.data.copy_(loaded)

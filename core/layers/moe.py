@@ -17,12 +17,10 @@ parameter as one rank holds it unsplit (dummy weights).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from kvforge.layers.weights import check_shape
+from kvforge.layers.weights import ShardId, check_shape, full_shape, set_loader
 from kvforge.rank import parallel_state
 
 #: how router logits become (weights, experts): "softmax": softmax over all experts, then the top k
@@ -93,28 +91,34 @@ class FusedMoE(nn.Module):
             self.quant_method.create_weights(self)
 
     def _param(self, shape: tuple[int, ...], full: tuple[int, ...]) -> nn.Parameter:
-        p = nn.Parameter(torch.empty(shape), requires_grad=False)
-        p.full_shape = full  # as one rank holds it unsplit (kvforge.layers.weights.full_shape)
-        p.weight_loader = self.weight_loader
-        return p
+        # full: as one rank holds it unsplit (kvforge.layers.weights.full_shape)
+        return set_loader(nn.Parameter(torch.empty(shape), requires_grad=False), self.weight_loader, full)
 
     # -- loading -----------------------------------------------------------------------------------
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def checkpoint_shards(self, param: nn.Parameter) -> list[ShardId]:
+        """The (expert, projection) parts a checkpoint fills ``param`` from, one tensor each (what
+        ``kvforge.layers.weight_map.load_weights`` expects to see loaded)."""
+        parts = ("w1", "w3") if param is self.w13 or param is self.w13_bias else ("w2",)
+        return [(e, part) for e in range(self.num_experts) for part in parts]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's part of ``loaded`` into ``param`` (see the module docstring for ``shard_id``)."""
         i, s, n = self.intermediate_size, self.start, self.count
         is_w13 = param is self.w13 or param is self.w13_bias
         if shard_id is None:  # the whole parameter, [E, 2I, ...] gate rows then up rows / [E, H, I]
-            check_shape("the tensor", loaded, param.full_shape)
+            check_shape("the tensor", loaded, full_shape(param))
             if is_w13:
                 param.data.copy_(torch.cat([loaded[:, s:s + n], loaded[:, i + s:i + s + n]], dim=1))
             else:
                 param.data.copy_(loaded[:, :, s:s + n] if param is self.w2 else loaded)
             return
+        if not isinstance(shard_id, tuple):
+            raise ValueError(f"MoE shard {shard_id!r} is not (expert, projection)")
         expert, part = shard_id
         if expert is None:  # a stacked checkpoint tensor (gpt-oss)
             if part == "w13_interleaved":  # [E, H, 2I] weight or [E, 2I] bias, gate/up in even/odd columns
                 t = loaded.transpose(1, 2) if loaded.dim() == 3 else loaded
-                check_shape("the tensor (as [E, 2I, H])", t, param.full_shape)
+                check_shape("the tensor (as [E, 2I, H])", t, full_shape(param))
                 self.weight_loader(param, torch.cat([t[:, 0::2], t[:, 1::2]], dim=1), None)
             elif part == "w2_transposed":  # [E, I, H] weight, or [E, H] bias as is
                 t = loaded.transpose(1, 2) if loaded.dim() == 3 else loaded
@@ -125,11 +129,11 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts})")
         if part in ("w1", "w3"):  # one expert's gate / up projection, [I, H] (or [I] bias)
-            check_shape(f"expert {expert}'s {part}", loaded, (i, *param.full_shape[2:]))
+            check_shape(f"expert {expert}'s {part}", loaded, (i, *full_shape(param)[2:]))
             rows = slice(0, n) if part == "w1" else slice(n, 2 * n)
             param.data[expert, rows].copy_(loaded[s:s + n])
         elif part == "w2":  # one expert's down projection, [H, I] (or [H] bias)
-            check_shape(f"expert {expert}'s w2", loaded, param.full_shape[1:])
+            check_shape(f"expert {expert}'s w2", loaded, full_shape(param)[1:])
             param.data[expert].copy_(loaded[:, s:s + n] if loaded.dim() == 2 and param is self.w2 else loaded)
         else:
             raise ValueError(f"unknown MoE shard {part!r}: expected 'w1', 'w3' or 'w2'")

@@ -7,13 +7,11 @@ vocabulary (one all-gather; equal slices make it a single collective), padding c
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.layers.weights import check_shape
+from kvforge.layers.weights import ShardId, check_shape, full_shape, set_loader
 from kvforge.rank import parallel_state
 
 
@@ -25,12 +23,11 @@ class VocabParallelEmbedding(nn.Module):
         per = -(-vocab_size // self.tp.size)
         self.start = self.tp.rank * per
         self.count = max(0, min(per, vocab_size - self.start))  # real rows of this slice
-        self.weight = nn.Parameter(torch.empty(per, hidden_size), requires_grad=False)
-        self.weight.full_shape = (vocab_size, hidden_size)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = set_loader(nn.Parameter(torch.empty(per, hidden_size), requires_grad=False),
+                                 self.weight_loader, (vocab_size, hidden_size))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        check_shape("the tensor", loaded, param.full_shape)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        check_shape("the tensor", loaded, full_shape(param))
         param.data[:self.count].copy_(loaded.narrow(0, self.start, self.count))
         param.data[self.count:].zero_()
 

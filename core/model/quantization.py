@@ -24,10 +24,20 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
+
+
+@runtime_checkable
+class QuantizableLayer(Protocol):
+    """What a linear layer that takes a quantization method has (``kvforge.layers.linear.LinearBase``; a
+    third-party layer also sets ``quantizable = True``)."""
+
+    quant_method: LinearMethod | None
+
+    def materialize_weight(self) -> None: ...
 
 
 class LinearMethod(ABC):
@@ -35,6 +45,8 @@ class LinearMethod(ABC):
 
     def create_weights(self, layer: nn.Module) -> None:
         """Make the layer's parameters; the default makes the full-precision ``weight``."""
+        if not isinstance(layer, QuantizableLayer):
+            raise TypeError(f"{type(layer).__name__} is not a quantizable linear layer (no materialize_weight)")
         layer.materialize_weight()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027  (optional)
@@ -184,13 +196,16 @@ def attach_all(model: nn.Module, method: QuantizationMethod | None) -> None:
     (it would change nothing)."""
     layers = 0
     for name, module in model.named_modules():
-        if not getattr(module, "quantizable", False) or module.quant_method is not None:
+        if not getattr(module, "quantizable", False):
+            continue
+        linear = cast(QuantizableLayer, module)  # ``quantizable = True`` promises it (LinearBase does)
+        if linear.quant_method is not None:
             continue
         layers += 1
         lm = method.linear_method(module, checkpoint_names(model, name)) if method is not None else None
-        module.quant_method = lm
+        linear.quant_method = lm
         if lm is None:
-            module.materialize_weight()
+            linear.materialize_weight()
             continue
         lm.create_weights(module)
         weight = getattr(module, "weight", None)

@@ -7,10 +7,15 @@ GELU-tanh gated MLP; attention scaled by ``query_pre_attn_scalar ** -0.5``; inte
 and global layers (``layer_types``). Gemma 2 soft-caps attention scores and the final logits; Gemma 3
 norms q and k per head and gives its sliding layers their own RoPE (``rope_parameters
 ["sliding_attention"]``, older configs' ``rope_local_base_freq``), the global layers the scaled one.
+
+The family's fields are :class:`GemmaConfig`'s, read from ``config.json`` or from a llama.cpp GGUF
+(``gemma3``: the values llama.cpp hard-codes instead of writing them included).
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +23,79 @@ from torch import nn
 
 from kvforge.attention import AttentionBackend, AttentionMetadata
 from kvforge.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kvforge.model.config import SLIDING, ModelConfig
-from kvforge.model.interface import ModelCapabilities
+from kvforge.model.config import (
+    FULL,
+    SLIDING,
+    ConfigFields,
+    GGUFArchitecture,
+    GGUFMetadata,
+    HFConfig,
+    ModelConfig,
+    windowed_layers,
+)
+from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.plugins.models import fused_ops
-from kvforge.plugins.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding
+from kvforge.plugins.models.llama import LlamaForCausalLM, LlamaModel, Rope, RotaryEmbedding
+
+#: Gemma 3 values llama.cpp hard-codes instead of writing them (llama-model.cpp, LLM_ARCH_GEMMA3): every
+#: 6th layer global, the sliding layers' RoPE base, and the 27B (62 layers) scaling queries by
+#: hidden_size / heads instead of head_dim; transformers' Gemma3TextConfig has the same defaults.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
+
+
+@dataclass
+class GemmaConfig(ModelConfig):
+    """A Gemma 2 / 3 config: the general fields and the family's own."""
+
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logit / cap) (Gemma 2)
+    hidden_activation: str = "gelu_pytorch_tanh"  # the gated MLP's activation
+    # the sliding layers' RoPE (Gemma 3): base and scaling dict (None: plain); None base: one RoPE for all
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        capped = self.attn_logit_softcapping is not None
+        return super().attention_features | frozenset({"logits_soft_cap"} if capped else ())
+
+    def to_hf_dict(self) -> HFConfig:
+        d = super().to_hf_dict()
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        d.setdefault("final_logit_softcapping", self.final_logit_softcapping)
+        d.setdefault("hidden_activation", self.hidden_activation)
+        if self.local_rope_theta is not None and "rope_parameters" not in d:
+            d.setdefault("rope_local_base_freq", self.local_rope_theta)
+        return d
+
+
+def gemma_layer_types(model_type: str, layers: int, pattern: int) -> list[str]:
+    """transformers' rule where a config has no ``layer_types``: Gemma 2 alternates (sliding first),
+    Gemma 3 makes every ``pattern``-th layer global."""
+    if model_type == "gemma2":
+        return [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+
+
+def _local_rope(hf: HFConfig) -> tuple[float, dict[str, Any] | None]:
+    """Gemma 3's sliding layers' (RoPE base, scaling): ``rope_parameters["sliding_attention"]``
+    (transformers 5), else ``rope_local_base_freq``."""
+    per_type = hf.get("rope_parameters") or {}
+    local = per_type.get(SLIDING) if isinstance(per_type.get(SLIDING), dict) else None
+    if local is None:
+        return float(hf.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_BASE)), None
+    scaling = {k: v for k, v in local.items() if k != "rope_theta"}
+    return float(local.get("rope_theta", GEMMA3_LOCAL_ROPE_BASE)), (
+        scaling if scaling.get("rope_type", "default") != "default" else None)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -35,11 +109,12 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # e.g. [T, heads, D] without its partner (q/k go through fused_ops.qk_rms_norm)
             return fused_ops.rms_norm_ref(x, self.weight, self.eps, offset=True)
-        return fused_ops.rms_norm(x, self.weight, self.eps, offset=True)
+        # without a residual, rms_norm returns the normed tensor alone
+        return cast(torch.Tensor, fused_ops.rms_norm(x, self.weight, self.eps, offset=True))
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn: AttentionBackend, layer_idx: int):
+    def __init__(self, config: GemmaConfig, attn: AttentionBackend, layer_idx: int):
         super().__init__()
         self.attn = attn
         hd = self.head_dim = config.head_dim
@@ -55,7 +130,8 @@ class GemmaAttention(nn.Module):
         self.attn_layer = attn.layer(layer_idx, sliding_window=config.window_of(layer_idx),
                                      logits_soft_cap=config.attn_logit_softcapping)
 
-    def forward(self, positions, hidden, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -69,9 +145,9 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: GemmaConfig):
         super().__init__()
-        act = config.hf_config.get("hidden_activation") or config.hf_config.get("hidden_act") or "gelu_pytorch_tanh"
+        act = config.hidden_activation
         if act not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"config.json field 'hidden_activation' is {act!r}; Gemma supports 'gelu_pytorch_tanh'")
         self.approximate = "tanh" if act == "gelu_pytorch_tanh" else "none"
@@ -84,7 +160,7 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn: AttentionBackend, layer_idx: int):
+    def __init__(self, config: GemmaConfig, attn: AttentionBackend, layer_idx: int):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = GemmaAttention(config, attn, layer_idx)
@@ -94,23 +170,18 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, positions, hidden, rope, kv_cache, meta) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
         hidden = hidden + self.post_attention_layernorm(attn_out)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-def local_rope_config(config: ModelConfig) -> ModelConfig | None:
-    """Gemma 3's sliding layers' RoPE parameters (None: Gemma 2, one RoPE for all layers)."""
-    if config.model_type != "gemma3_text":
+def local_rope_config(config: GemmaConfig) -> GemmaConfig | None:
+    """The config of Gemma 3's sliding layers' RoPE (None: Gemma 2, one RoPE for all layers)."""
+    if config.local_rope_theta is None:
         return None
-    per_type = config.hf_config.get("rope_parameters") or {}
-    local = per_type.get(SLIDING) if isinstance(per_type.get(SLIDING), dict) else None
-    if local is None:
-        local = {"rope_type": "default", "rope_theta": config.hf_config.get("rope_local_base_freq", 10000.0)}
-    scaling = {k: v for k, v in local.items() if k != "rope_theta"}
-    return dataclasses.replace(config, rope_theta=float(local.get("rope_theta", 10000.0)),
-                               rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None)
+    return dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=config.local_rope_scaling)
 
 
 class GemmaModel(LlamaModel):
@@ -119,7 +190,7 @@ class GemmaModel(LlamaModel):
 
     layer_cls = GemmaDecoderLayer
 
-    def __init__(self, config: ModelConfig, attn: AttentionBackend):
+    def __init__(self, config: GemmaConfig, attn: AttentionBackend):
         super().__init__(config, attn)
         if self.norm is not None:
             self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -127,12 +198,16 @@ class GemmaModel(LlamaModel):
         self.rotary_emb_local = RotaryEmbedding(local) if local is not None else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = super().embed(input_ids)
         return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
 
-    def forward(self, input_ids, positions, kv_caches, attn_meta, intermediate=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.is_first:
             hidden = self.embed(input_ids)
+        elif intermediate is None:
+            raise ValueError("a pipeline stage after the first needs the previous stage's hidden states")
         else:
             hidden = intermediate[0]
         ropes = {False: self.rotary_emb.bind(positions, hidden, attn_meta)}
@@ -143,16 +218,89 @@ class GemmaModel(LlamaModel):
             hidden = self.layers[i](positions, hidden, rope, kv_caches[i - self.start], attn_meta)
         if not self.is_last:
             return hidden, torch.zeros_like(hidden)  # (hidden, residual) as the stages exchange them
+        if self.norm is None:
+            raise RuntimeError("the last pipeline stage holds the final norm")
         return self.norm(hidden)
+
+
+GEMMA_PRESETS: dict[str, ModelConfig] = {
+    "gemma-3-27b": GemmaConfig(  # google/gemma-3-27b-it's text_config
+        architecture="Gemma3ForCausalLM", model_type="gemma3_text", vocab_size=262208, hidden_size=5376,
+        intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position_embeddings=131072, tie_word_embeddings=True, qk_norm=True, query_pre_attn_scalar=168,
+        sliding_window=1024, layer_types=gemma_layer_types("gemma3_text", 62, GEMMA3_SLIDING_WINDOW_PATTERN),
+        bos_token_id=2, eos_token_ids=[1, 106], torch_dtype="bfloat16", local_rope_theta=GEMMA3_LOCAL_ROPE_BASE),
+}
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """The model plugin for Gemma2ForCausalLM and Gemma3ForCausalLM (text)."""
 
     model_cls = GemmaModel
+    config_class = GemmaConfig
+    family = ModelFamily(
+        model_types={"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"},
+        # llama.cpp's gemma3 files: the text model; its own names for the norm before the MLP and the two
+        # post-norms; every norm stored as its multiplier 1 + w (Gemma3Model.norm_shift); a chat turn ends
+        # with <end_of_turn>, which the files do not name as such
+        gguf_architectures={"gemma3": GGUFArchitecture(
+            "gemma3_text", block_names={"ffn_norm": "pre_feedforward_layernorm",
+                                        "post_attention_norm": "post_attention_layernorm",
+                                        "post_ffw_norm": "post_feedforward_layernorm"},
+            norm_shift=1.0, end_of_turn="<end_of_turn>")},
+        presets=GEMMA_PRESETS,
+        refused_model_types={"gemma3": "Gemma3ForConditionalGeneration (text and vision); kvforge serves the "
+                                       "text-only 'gemma3_text' checkpoints (Gemma 3 270M, 1B)"},
+    )
     capabilities = ModelCapabilities(sliding_window=True, notes="interleaved sliding/global layers, soft-capping")
+
+    def __init__(self, config: GemmaConfig, attn: AttentionBackend):
+        super().__init__(config, attn)
+        self.final_logit_softcapping = config.final_logit_softcapping
+
+    @classmethod
+    def config_from_hf(cls, fields: ConfigFields, hf: HFConfig) -> GemmaConfig:
+        """Gemma's fields, its q/k norms (Gemma 3) and its layer pattern where ``layer_types`` is missing."""
+        model_type = fields["model_type"]
+        window = fields.get("sliding_window")
+        if model_type == "gemma3_text":
+            fields["qk_norm"] = True
+        if window is not None and not hf.get("layer_types"):
+            pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+            fields["layer_types"] = windowed_layers(
+                gemma_layer_types(model_type, fields["num_hidden_layers"], pattern), window)
+        local_theta, local_scaling = _local_rope(hf) if model_type == "gemma3_text" else (None, None)
+        return GemmaConfig(
+            **fields, query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            hidden_activation=str(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"),
+            local_rope_theta=local_theta, local_rope_scaling=local_scaling)
+
+    @classmethod
+    def config_from_gguf(cls, fields: ConfigFields, gguf: GGUFMetadata) -> GemmaConfig:
+        """``attention.sliding_window`` from the file; the layer pattern, the local RoPE base
+        (``rope.freq_base_swa`` where a file has it) and the query scale as llama.cpp hard-codes them
+        (:data:`GEMMA3_SLIDING_WINDOW_PATTERN`...); GELU-tanh as llama.cpp computes it."""
+        window = gguf.get("attention.sliding_window")
+        window = int(window) if window else None
+        blocks, heads = fields["num_hidden_layers"], fields["num_attention_heads"]
+        scalar = fields["hidden_size"] // heads if blocks == GEMMA3_27B_LAYERS else fields["head_dim"]
+        local_theta = float(gguf.get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
+        soft_cap, final_cap = gguf.get("attn_logit_softcapping"), gguf.get("final_logit_softcapping")
+        fields["hf_config"] = {
+            "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, "rope_local_base_freq": local_theta,
+            "query_pre_attn_scalar": scalar, "final_logit_softcapping": final_cap, "attn_logit_softcapping": soft_cap,
+        }
+        fields["sliding_window"] = window
+        types = gemma_layer_types("gemma3_text", blocks, GEMMA3_SLIDING_WINDOW_PATTERN)
+        fields["layer_types"] = windowed_layers(types, window)
+        return GemmaConfig(**fields, query_pre_attn_scalar=scalar, attn_logit_softcapping=soft_cap,
+                           final_logit_softcapping=final_cap, local_rope_theta=local_theta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
-        cap = self.config.hf_config.get("final_logit_softcapping")
+        cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

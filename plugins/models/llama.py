@@ -2,17 +2,20 @@
 
 The numerics follow Hugging Face's implementation (RMSNorm in float32, neox-style RoPE from a float32
 cos/sin cache, residual adds in the model dtype) so that logits match ``transformers`` to float noise.
-Q/K/V and gate/up projections are fused; :data:`STACKED_PARAMS` tells :meth:`LlamaForCausalLM.load_weights`
-where each checkpoint tensor goes. The layers are ``kvforge.layers``' parallel ones, which own their
+Q/K/V and gate/up projections are fused; :data:`LLAMA_WEIGHTS` says where each checkpoint tensor goes
+(``kvforge.layers.weight_map``). The layers are ``kvforge.layers``' parallel ones, which own their
 weight loading and split themselves over the tensor-parallel group the model is built in: this
 file never branches on tensor parallelism.
+
+The family's config rules are here too (:meth:`LlamaForCausalLM.config_from_hf`): Qwen2's q/k/v biases,
+Qwen3's q/k norms, Qwen's window that is off unless ``use_sliding_window``; and its GGUF architectures
+and presets (``LlamaForCausalLM.family``). Other families subclass these classes where they compute
+differently and replace the data where they only name things differently.
 """
 from __future__ import annotations
 
 import functools
-import math
-import re
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -24,32 +27,26 @@ from kvforge.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    default_weight_loader,
 )
-from kvforge.layers.moe import FusedMoE
+from kvforge.layers.rotary import RotaryCache
 from kvforge.layers.vocab import vocab_parallel_logits
-from kvforge.model.config import ModelConfig
-from kvforge.model.interface import ModelCapabilities
+from kvforge.layers.weight_map import WeightMap
+from kvforge.layers.weight_map import load_weights as load_mapped_weights
+from kvforge.layers.weights import ShardId
+from kvforge.model.config import FULL, SLIDING, ConfigFields, GGUFArchitecture, HFConfig, ModelConfig, windowed_layers
+from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.plugins.models import fused_ops
 from kvforge.rank import parallel_state
 
-#: checkpoint module name -> (fused module name, shard id)
-STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-#: FP8 KV-cache scales: the name after "model.layers.N." -> set_kv_scales keyword (compressed-tensors;
-#: older checkpoints use the K/V projections' output_scale)
-KV_SCALE_NAMES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
-                  "self_attn.k_proj.output_scale": ("k_scale",), "self_attn.v_proj.output_scale": ("v_scale",),
-                  "self_attn.kv_scale": ("k_scale", "v_scale")}  # AutoFP8: one scale for both
-#: one expert's projection of an MoE layer: "model.layers.3.mlp.experts.7.gate_proj.weight"
-EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|bias)$")
-#: checkpoint tensors that hold nothing we need (recomputed buffers)
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+#: where a Llama-shaped checkpoint's tensors go: Q/K/V and gate/up fused (as shards "q"/"k"/"v" and 0/1),
+#: an MoE layer's experts by their HF projection names (what the MoE families start from)
+LLAMA_WEIGHTS = WeightMap(
+    fused={"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)},
+    expert_projections={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+)
+#: ``rope(q, k) -> (q, k)`` for one forward's tokens (:meth:`RotaryEmbedding.bind`)
+Rope = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 class RMSNorm(nn.Module):
@@ -58,126 +55,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)`` (float32 statistics, cast back before the weight multiply, as HF does); with
         ``residual``: adds ``x`` into it in place and returns ``(norm(residual), residual)``."""
         return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim // 2] float32, with the config's rope scaling applied (as
-    transformers' ``modeling_rope_utils`` computes them); ``long``: LongRoPE's long factors."""
-    dim = rotary_dim(config)
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    rs = config.rope_scaling
-    rope_type = rs["rope_type"] if rs else "default"
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / rs["factor"]
-    if rope_type == "freq_factors":  # GGUF rope_freqs tensor: llama.cpp divides each frequency by it
-        return inv_freq / torch.tensor(rs["factors"], dtype=torch.float32)
-    if rope_type == "llama3":  # HF's _compute_llama3_parameters
-        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old_ctx = rs.get("original_max_position_embeddings", config.max_position_embeddings)
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    if rope_type == "yarn":  # HF's _compute_yarn_parameters (gpt-oss)
-        base, factor = config.rope_theta, _yarn_factor(config)
-        old_ctx = rs.get("original_max_position_embeddings") or config.max_position_embeddings
+class RotaryEmbedding(RotaryCache):
+    """Neox-style RoPE (rotate_half) from the config's cos/sin cache (``kvforge.layers.rotary``), over the
+    first ``rotary_dim`` dims of each head: the fused kernel where it runs, torch ops otherwise."""
 
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(rs.get("beta_fast") or 32), correction_dim(rs.get("beta_slow") or 1)
-        if rs.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
-        extrapolation = 1 - ramp
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-        return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    if rope_type == "longrope":  # HF's _compute_longrope_parameters: short or long factors
-        factors = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * config.rope_theta ** exponents)
-    raise ValueError(f"model config field 'rope_scaling' has rope_type {rope_type!r}; supported: "
-                     "default, linear, llama3, yarn, longrope, freq_factors")
-
-
-def rotary_dim(config: ModelConfig) -> int:
-    """How many leading dims of each head RoPE rotates (all but with ``partial_rotary_factor``)."""
-    return int(config.head_dim * config.partial_rotary_factor)
-
-
-def _yarn_factor(config: ModelConfig) -> float:
-    rs = config.rope_scaling
-    return rs.get("factor") or config.max_position_embeddings / rs.get("original_max_position_embeddings", config.max_position_embeddings)
-
-
-def _longrope_original(config: ModelConfig) -> int:
-    rs = config.rope_scaling
-    return int(rs.get("original_max_position_embeddings")
-               or config.hf_config.get("original_max_position_embeddings") or config.max_position_embeddings)
-
-
-def rope_attention_factor(config: ModelConfig) -> float:
-    """The factor transformers multiplies cos and sin by (YaRN, LongRoPE), else 1."""
-    rs = config.rope_scaling
-    rope_type = rs["rope_type"] if rs else "default"
-    if rs and rs.get("attention_factor") is not None:
-        return float(rs["attention_factor"])
-    if rope_type == "yarn":
-        factor = _yarn_factor(config)
-        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
-
-        def get(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        return get(factor, mscale) / get(factor, mscale_all) if mscale and mscale_all else get(factor)
-    if rope_type == "longrope":
-        original = _longrope_original(config)
-        factor = rs.get("factor") or config.max_position_embeddings / original
-        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return 1.0
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate_half) from a float32 cos/sin cache indexed by absolute position, over the
-    first :func:`rotary_dim` dims of each head. LongRoPE keeps a second (long-factor) cache after the
-    first: a token whose sequence is longer than ``original_max_position_embeddings`` after this step
-    reads it, as transformers switches factors on the sequence length."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.head_dim, self.rot_dim = config.head_dim, rotary_dim(config)
-        self.max_pos = config.max_position_embeddings
-        longrope = bool(config.rope_scaling) and config.rope_scaling["rope_type"] == "longrope"
-        self.original_max = _longrope_original(config) if longrope else None
-        factor = rope_attention_factor(config)
-        tables = [self._table(rope_inv_freq(config, long=long), factor) for long in ((False, True) if longrope else (False,))]
-        self.register_buffer("cos", torch.cat([c for c, _ in tables]), persistent=False)
-        self.register_buffer("sin", torch.cat([s for _, s in tables]), persistent=False)
-
-    def _table(self, inv_freq: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(self.max_pos, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rot_dim]
-        return emb.cos() * factor, emb.sin() * factor
-
-    def bind(self, positions: torch.Tensor, like: torch.Tensor, meta: AttentionMetadata) -> Callable:
+    def bind(self, positions: torch.Tensor, like: torch.Tensor, meta: AttentionMetadata) -> Rope:
         """``rope(q, k)`` for this forward's tokens: the cache rows are gathered once and shared by every
         layer (torch path), or read by the fused kernel."""
-        index = positions
-        if self.original_max is not None:  # LongRoPE: the long cache for tokens of long sequences
-            q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-            seq_len = torch.repeat_interleave(meta.seq_lens, q_lens, output_size=positions.shape[0])
-            index = positions + (seq_len > self.original_max).to(positions.dtype) * self.max_pos
+        index = self.rows(positions, meta)
         tables = None
         if not (fused_ops.use_fused(like) and self.rot_dim == self.head_dim):
             tables = fused_ops.rope_tables(index, self.cos, self.sin, like.dtype)
@@ -214,7 +106,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.attn_layer = attn.layer(layer_idx, sliding_window=config.window_of(layer_idx))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: Callable,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: Rope,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``rope(q, k)``: :meth:`RotaryEmbedding.bind` for this forward's tokens."""
         n = hidden.shape[0]
@@ -254,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                rope: Callable, kv_cache: torch.Tensor,
+                rope: Rope, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried separately so that each residual add is fused into the next
         norm: returns (this layer's MLP output, the residual stream before it is added)."""
@@ -264,8 +156,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, rope, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, stream = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), stream
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(config)
@@ -286,10 +178,11 @@ class LlamaModel(nn.Module):
         self.is_first, self.is_last = stage.is_first, stage.is_last
         # the last stage of a tied model computes its logits with the embedding
         wants_embed = stage.is_first or (stage.is_last and config.tie_word_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if wants_embed else None
+        self.embed_tokens: VocabParallelEmbedding | None = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size) if wants_embed else None)
         self.layers = nn.ModuleList(self.layer_cls(config, attn, i) if self.start <= i < self.end else MissingLayer()
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
+        self.norm: nn.Module | None = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -300,53 +193,137 @@ class LlamaModel(nn.Module):
         before. The last stage returns the normed hidden states, the others (hidden, residual)."""
         if self.is_first:
             hidden, residual = self.embed(input_ids), None  # [T, hidden]
+        elif intermediate is None:
+            raise ValueError("a pipeline stage after the first needs the previous stage's (hidden, residual)")
         else:
             hidden, residual = intermediate
         rope = self.rotary_emb.bind(positions, hidden, attn_meta)
         for i in range(self.start, self.end):
             hidden, residual = self.layers[i](positions, hidden, residual, rope, kv_caches[i - self.start], attn_meta)
-        if not self.is_last:
-            return hidden, residual
+        if not self.is_last:  # (a stage without layers hands on a zero residual)
+            return hidden, residual if residual is not None else torch.zeros_like(hidden)
+        if self.norm is None:
+            raise RuntimeError("the last pipeline stage holds the final norm")
         return self.norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input embeddings (a family that scales them overrides this)."""
+        if self.embed_tokens is None:
+            raise RuntimeError("embed runs on the first pipeline stage, which holds the embeddings")
         return self.embed_tokens(input_ids)
-
-
-def _moe_shards(param: nn.Parameter) -> list[tuple[int, str]]:
-    """The (expert, projection) parts an MoE layer's parameter is loaded from; [] for other parameters."""
-    layer = getattr(param, "weight_loader", None)
-    moe = getattr(layer, "__self__", None)
-    if not isinstance(moe, FusedMoE):
-        return []
-    parts = ("w1", "w3") if param is moe.w13 or param is moe.w13_bias else ("w2",)
-    return [(e, s) for e in range(moe.num_experts) for s in parts]
 
 
 class MissingLayer(nn.Identity):
     """A layer another pipeline stage holds."""
 
 
+# -- the family's configs -------------------------------------------------------------------------
+def require_silu(hf: HFConfig) -> None:
+    """``ValueError`` unless the MLP is silu(gate) * up (the activation these families' MLPs compute)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json field 'hidden_act' is {hf['hidden_act']!r}; only 'silu' is supported")
+
+
+def qwen_windows(fields: ConfigFields, hf: HFConfig, sliding: Optional[Callable[[int, int], bool]]) -> None:
+    """Qwen configs carry a window that is off unless ``use_sliding_window``; with it on and no
+    ``layer_types``, ``sliding(layer, max_window_layers)`` says which layers use it as transformers
+    does (None: every layer)."""
+    if not hf.get("use_sliding_window", False):
+        fields["sliding_window"] = fields["layer_types"] = None
+        return
+    window = fields.get("sliding_window")
+    if sliding is None or window is None or hf.get("layer_types"):
+        return
+    limit = int(hf.get("max_window_layers", 28))
+    types = [SLIDING if sliding(i, limit) else FULL for i in range(fields["num_hidden_layers"])]
+    fields["layer_types"] = windowed_layers(types, window)
+
+
+#: named dummy architectures matching the real checkpoints (``dummy:<name>``)
+LLAMA_PRESETS: dict[str, ModelConfig] = {
+    "llama-3-8b": ModelConfig(
+        architecture="LlamaForCausalLM", model_type="llama", vocab_size=128256, bos_token_id=128000,
+        eos_token_ids=[128001], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "llama-3-70b": ModelConfig(
+        architecture="LlamaForCausalLM", model_type="llama", vocab_size=128256, bos_token_id=128000,
+        eos_token_ids=[128001], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "llama-3.2-1b": ModelConfig(
+        architecture="LlamaForCausalLM", model_type="llama", vocab_size=128256, bos_token_id=128000,
+        eos_token_ids=[128001], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "smollm2-135m": ModelConfig(
+        architecture="LlamaForCausalLM", model_type="llama", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2], torch_dtype="bfloat16"),
+    "tiny": ModelConfig(
+        architecture="LlamaForCausalLM", model_type="llama", vocab_size=49152, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2], torch_dtype="float32"),
+}
+
+
 class LlamaForCausalLM(nn.Module):
     """The model plugin for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM;
-    the base of the other families' (they swap :attr:`model_cls` / its ``layer_cls`` and map their
-    checkpoint names in :meth:`param_for`)."""
+    the base of the other families' (they swap :attr:`model_cls` / its ``layer_cls``, and their data:
+    :attr:`weight_map`, :attr:`family`, :attr:`config_class`)."""
 
-    #: fused module -> the checkpoint modules it holds (quantization formats name those)
-    packed_modules_mapping = {fused: [m for m, (f, _) in STACKED_PARAMS.items() if f == fused]
-                              for fused, _ in STACKED_PARAMS.values()}
-    model_cls: type[nn.Module] = LlamaModel
+    model_cls: type[LlamaModel] = LlamaModel
+    #: where each checkpoint tensor goes (``kvforge.layers.weight_map``)
+    weight_map: WeightMap = LLAMA_WEIGHTS
+    #: the configs it reads (``kvforge.model.interface.ModelFamily``)
+    family = ModelFamily(
+        model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"},
+        # llama.cpp stores Mistral as "llama" and permutes its Q/K rows (its LlamaModel converter)
+        gguf_architectures={"llama": GGUFArchitecture("llama", permuted_qk=True), "qwen2": GGUFArchitecture("qwen2"),
+                            "qwen3": GGUFArchitecture("qwen3")},
+        presets=LLAMA_PRESETS,
+    )
+    config_class: type[ModelConfig] = ModelConfig
     capabilities = ModelCapabilities(sliding_window=True, notes="Llama 2/3, Mistral, Qwen2, Qwen3")
 
     def __init__(self, config: ModelConfig, attn: AttentionBackend):
         super().__init__()
         self.config = config
+        self.attn = attn  # shared by all layers; receives the checkpoint's KV-cache scales
         self.model = self.model_cls(config, attn)
         # tied: logits use embed_tokens.weight and the checkpoint's lm_head.weight (if any) is skipped
         last = parallel_state.current_stage().is_last
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
                         if last and not config.tie_word_embeddings else None)
+
+    @classmethod
+    def config_from_hf(cls, fields: ConfigFields, hf: HFConfig) -> ModelConfig:
+        """The family's rules over the general fields: an MLP of silu; Qwen2's q/k/v biases (never on
+        o_proj, nor Mistral's); Qwen3's q/k norms; Qwen's window, off unless ``use_sliding_window`` and
+        then from ``max_window_layers`` on."""
+        model_type = fields["model_type"]
+        if model_type in cls.family.model_types:
+            require_silu(hf)
+        if model_type == "qwen2":
+            fields["attention_bias"], fields["attention_out_bias"] = True, False
+        elif model_type == "mistral":
+            fields["attention_out_bias"] = False
+        elif model_type == "qwen3":
+            fields["qk_norm"] = True
+        if model_type in ("qwen2", "qwen3"):
+            qwen_windows(fields, hf, lambda layer, limit: layer >= limit)
+        return cls.config_class(**fields)
+
+    @property
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        """Fused module -> the checkpoint modules it holds (quantization formats name those)."""
+        return self.weight_map.packed_modules()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -357,73 +334,28 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every tensor-parallel rank)."""
-        return vocab_parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if head is None:
+            raise RuntimeError("compute_logits runs on the last pipeline stage, which holds the LM head")
+        return vocab_parallel_logits(hidden, head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused) parameters; ValueError on an unknown name,
-        a shape mismatch, or parameters left unfilled."""
-        params = dict(self.named_parameters())
-        loaded: set[tuple[str, str | int | None]] = set()
-        for name, w in weights:
-            if name.endswith(IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
-                continue
-            if not self._on_this_stage(name):
-                continue
-            if name.startswith("model.layers.") and name.split(".", 3)[3] in KV_SCALE_NAMES:
-                layer = int(name.split(".")[2])  # the FP8 KV cache's scales live on the attention backend
-                self.model.layers[layer].self_attn.attn.set_kv_scales(
-                    layer, **{k: w for k in KV_SCALE_NAMES[name.split(".", 3)[3]]})
-                continue
-            key = self.param_for(name, w)
-            param = params.get(key[0])
-            if param is None and name.endswith(".bias") and not w.any():
-                continue  # an all-zero bias some quantizers save (AutoGPTQ's QuantLinear) adds nothing
-            if param is None:
-                raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:  # each layer copies its own part (of its own shard, under tensor parallelism)
-                loader(param, w, key[1])
-            except ValueError as exc:
-                raise ValueError(f"checkpoint weight {name!r}: {exc}") from None
-            loaded.update(self._keys_filled(key, param))
-        missing = [f"{n}[{s}]" if s is not None else n
-                   for n, s in self._expected_keys() if (n, s) not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {', '.join(missing[:20])}"
-                             + (" ..." if len(missing) > 20 else ""))
+        """Copy HF-named checkpoint tensors into the (fused) parameters as :attr:`weight_map` says; ValueError
+        on an unknown name, a shape mismatch, or parameters left unfilled."""
+        load_mapped_weights(self, weights, self.weight_map, holds=self.holds, kv_scales=self.attn)
 
-    def param_for(self, name: str, w: torch.Tensor) -> tuple[str, Any]:
-        """(parameter name, shard id) that the checkpoint tensor ``name`` loads into: fused Q/K/V and
-        gate/up parts (:data:`STACKED_PARAMS`), each expert's projections of an MoE layer
-        (``kvforge.layers.moe``), else the same name."""
-        expert = EXPERT_NAME.match(name)
-        if expert is not None and expert["proj"] in self.expert_projections:
-            shard = self.expert_projections[expert["proj"]]
-            param = f"{expert['experts']}.{'w13' if shard in ('w1', 'w3') else 'w2'}"
-            return param + ("_bias" if expert["leaf"] == "bias" else ""), (int(expert["e"]), shard)
-        module_path, _, leaf = name.rpartition(".")
-        parent, _, module_name = module_path.rpartition(".")
-        if module_name in STACKED_PARAMS:
-            fused, shard = STACKED_PARAMS[module_name]
-            return f"{parent}.{fused}.{leaf}", shard
-        return name, None
+    def param_for(self, name: str, w: torch.Tensor | None = None) -> tuple[str, ShardId]:
+        """(parameter name, shard id) that the checkpoint tensor ``name`` loads into (LoRA adapters name
+        modules the same way)."""
+        return self.weight_map.target(name)
 
-    #: an MoE checkpoint's per-expert projection names -> "w1" (gate), "w3" (up), "w2" (down)
-    expert_projections: dict[str, str] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-    def _keys_filled(self, key: tuple[str, Any], param: nn.Parameter) -> list[tuple[str, Any]]:
-        """The expected keys one load fills (a stacked MoE tensor fills every expert's)."""
-        if isinstance(key[1], tuple) and key[1][0] is None:
-            return [(key[0], s) for s in _moe_shards(param)]
-        if key[1] is None:  # a checkpoint that stores a fused parameter whole (Phi-3's qkv_proj, gate_up_proj)
-            fused = key[0].rsplit(".", 2)[-2]
-            return [(key[0], s) for f, s in STACKED_PARAMS.values() if f == fused] or [key]
-        return [key]
-
-    def _on_this_stage(self, name: str) -> bool:
-        """Whether the checkpoint tensor ``name`` belongs to a module this pipeline stage holds."""
+    def holds(self, name: str) -> bool:
+        """Whether this model holds the checkpoint tensor ``name``: its pipeline stage's layers, the
+        embeddings and final norm where this stage has them, the LM head unless tied or elsewhere."""
         m = self.model
+        if name == "lm_head.weight":
+            return self.lm_head is not None
         if name.startswith("model.layers."):
             return m.start <= int(name.split(".")[2]) < m.end
         if name.startswith("model.embed_tokens."):
@@ -431,17 +363,3 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.norm."):
             return m.norm is not None
         return True
-
-    def _expected_keys(self) -> list[tuple[str, Any]]:
-        keys: list[tuple[str, Any]] = []
-        for name, p in self.named_parameters():
-            if _moe_shards(p):
-                keys.extend((name, s) for s in _moe_shards(p))
-                continue
-            fused = name.rsplit(".", 2)[-2]
-            shards = [s for f, s in STACKED_PARAMS.values() if f == fused]
-            if shards:
-                keys.extend((name, s) for s in shards)
-            else:
-                keys.append((name, None))
-        return keys

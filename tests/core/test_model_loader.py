@@ -74,11 +74,11 @@ def test_unknown_preset_lists_valid_ones():
 
 
 def test_config_validation_names_the_field():
-    fields = {**PRESETS["tiny"], "num_key_value_heads": 3}
+    fields = {**PRESETS["tiny"].to_dict(), "num_key_value_heads": 3}
     with pytest.raises(ValueError, match="num_attention_heads"):
         ModelConfig(**fields)
     with pytest.raises(ValueError, match="hidden_size.*-1"):
-        ModelConfig(**{**PRESETS["tiny"], "hidden_size": -1})
+        ModelConfig(**{**PRESETS["tiny"].to_dict(), "hidden_size": -1})
 
 
 def test_from_hf_dict_families():
@@ -185,7 +185,7 @@ def test_dummy_load_is_seeded_and_runs():
 
 
 def test_unknown_architecture_lists_valid_ones():
-    config = ModelConfig(**{**PRESETS["tiny"], "architecture": "GPT2LMHeadModel"})
+    config = ModelConfig(**{**PRESETS["tiny"].to_dict(), "architecture": "GPT2LMHeadModel"})
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         load_model(resolve_model_source("dummy:tiny"), config, make_backend(config), torch.float32, "cpu")
 
@@ -222,16 +222,14 @@ def test_default_gguf_config():
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_transformers():
+def test_default_gguf_matches_transformers(hf_base, default_model_path):
     """THE real check: kvforge's dequantized, un-permuted weights and its logits equal transformers' own
-    GGUF loading of the default model."""
-    import transformers
+    GGUF loading of the default model (conftest's ``hf_base``: that loading, done once for the session)."""
     from gguf.quants import dequantize
 
     src = resolve_model_source(None)
-    directory, filename = os.path.split(src.path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
-    hf = hf.eval()
+    assert src.path == default_model_path  # the file hf_base was loaded from
+    hf = hf_base
     ref = hf.state_dict()
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.gate_proj.weight",

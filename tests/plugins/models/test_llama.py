@@ -146,7 +146,7 @@ def test_load_weights_rejects_unknown_and_missing(pair):
 
 
 def test_unsupported_rope_type_is_a_value_error():
-    from kvforge.plugins.models.llama import rope_inv_freq
+    from kvforge.layers.rotary import rope_inv_freq
 
     config = ModelConfig(**{**CONFIGS["mistral"].to_dict(), "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
