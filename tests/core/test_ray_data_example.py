@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvforge import LLM, SamplingParams
+from kvforge import SamplingParams
 
 pytest.importorskip("ray.data")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_ray_data_example_returns_every_prompt_text():
+def test_ray_data_example_returns_every_prompt_text(default_llm):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         from ray_data_batch import PROMPTS
@@ -26,5 +26,6 @@ def test_ray_data_example_returns_every_prompt_text():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     got = {r["prompt"]: r["generated_text"] for r in rows}
     assert len(rows) == len(PROMPTS) and set(got) == set(PROMPTS)
-    ref = LLM(device="cpu").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    # one engine: conftest's shared default-model engine (built once for the session)
+    ref = default_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert got == {o.prompt: o.outputs[0].text for o in ref}

@@ -88,6 +88,23 @@ def spec_server():
     s.stop()
 
 
+#: the default model (SmolLM2) as a deployment serves it: tool calls and reasoning parsed, 16 sequences
+SMOL_FLAGS = ("--served-model-name", "smol", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+              "--reasoning-parser", "qwen3", "--max-num-seqs", "16")
+
+
+@pytest.fixture(scope="session")
+def smol_server(default_model_path, dummy_plugin_installed):
+    """``kvforge serve`` on the default model with ``SMOL_FLAGS``, started once (a start on the real model
+    costs several times a tiny one's) for the tests that only send it requests: the Responses API, tool
+    calling, a client's hang-up, the one-rank reference of tensor parallelism. The dummy plugin is
+    installed first: tool calling scripts the model's text with its logits processors. A test that uses
+    it leaves nothing running; cumulative metrics (tokens, requests) are compared before and after."""
+    s = ServerProcess(*SMOL_FLAGS, model=default_model_path)
+    yield s
+    assert s.stop() == 0
+
+
 @pytest.fixture(scope="session")
 def client(server):
     import openai

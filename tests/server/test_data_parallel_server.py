@@ -28,10 +28,10 @@ def dp_server(default_model_path):
     assert s.stop() == 0
 
 
-def test_streams_spread_over_two_replicas_and_match_one_engine(dp_server):
+def test_streams_spread_over_two_replicas_and_match_one_engine(dp_server, default_llm):
     import openai
 
-    from kvforge import LLM, SamplingParams
+    from kvforge import SamplingParams
 
     client = openai.AsyncOpenAI(base_url=f"{dp_server.url}/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -48,8 +48,8 @@ def test_streams_spread_over_two_replicas_and_match_one_engine(dp_server):
 
     client_model = httpx.get(f"{dp_server.url}/v1/models").json()["data"][0]["id"]
     got = asyncio.run(main())
-    ref = LLM(device="cpu").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                                     use_tqdm=False)
+    # one engine: conftest's shared default-model engine (built once for the session)
+    ref = default_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert got == [o.outputs[0].text for o in ref]
     counts = routed(dp_server)
     assert set(counts) == {"0", "1"} and sum(counts.values()) >= len(PROMPTS) and min(counts.values()) >= 2

@@ -20,8 +20,14 @@ from conftest import ServerProcess, wait_until
 from kvforge.model.loader import default_model_path
 
 STEP_TIMEOUT_S = 3.0
-#: tokens of each stream of the healthy model: enough to outlast the other's death (3-4 s) on a fast CPU
+#: tokens of each stream of the healthy model at most: enough to outlast the other's death (3-4 s) on a
+#: fast CPU; on a slower one, fewer do (see b_tokens): 240 ran 30 s past it on 2 cores at 135 ms a step
 B_TOKENS = 240
+B_TOKENS_MIN = 32
+#: seconds each of the healthy model's streams should run: twice what the other's death takes at most
+B_STREAM_S = 2 * (STEP_TIMEOUT_S + 5)
+#: tokens of each of the two warm-up streams that measure the healthy model's speed
+WARM_TOKENS = 16
 
 
 def engine_core_pids(server: ServerProcess) -> list[int]:
@@ -81,6 +87,20 @@ class Stream:
             self.ended_at = time.monotonic()
 
 
+def b_tokens(server: ServerProcess, model: str) -> int:
+    """Tokens for each of two streams of ``model`` to run about B_STREAM_S on this machine (within
+    B_TOKENS_MIN..B_TOKENS): its time per token measured on two concurrent warm-up streams. Their first
+    token and the HTTP round trip count in that time, so the estimate errs long: the streams asked for
+    run at least B_STREAM_S times the share of decoding in the warm-up (most of it)."""
+    start = time.monotonic()
+    warm = [Stream(server, model, WARM_TOKENS) for _ in range(2)]
+    for s in warm:
+        s.thread.join(60)
+        assert s.done and not s.errors and s.usage["completion_tokens"] == WARM_TOKENS, (s.errors, s.usage)
+    per_token = (max(s.ended_at for s in warm) - start) / WARM_TOKENS
+    return max(B_TOKENS_MIN, min(B_TOKENS, round(B_STREAM_S / per_token)))
+
+
 def watch_health(server: ServerProcess, seen: list[int], stop: threading.Event) -> None:
     while not stop.is_set() and server.proc.poll() is None:
         try:
@@ -101,12 +121,14 @@ def two_models():
 
 def test_a_stalled_model_fails_its_streams_while_the_other_models_streams_finish(two_models):
     a_core, b_core = engine_core_pids(two_models)
+    b_model = default_model_path().rstrip("/")
+    want = b_tokens(two_models, b_model)
     a_streams = [Stream(two_models, "a", 480) for _ in range(2)]
     for s in a_streams:
         assert s.started.wait(30)
     os.kill(a_core, signal.SIGSTOP)  # a's engine hangs mid-stream
     stopped_at = time.monotonic()
-    b_streams = [Stream(two_models, default_model_path().rstrip("/"), B_TOKENS) for _ in range(2)]
+    b_streams = [Stream(two_models, b_model, want) for _ in range(2)]
     seen: list[int] = []
     stop = threading.Event()
     watcher = threading.Thread(target=watch_health, args=(two_models, seen, stop), daemon=True)
@@ -121,7 +143,7 @@ def test_a_stalled_model_fails_its_streams_while_the_other_models_streams_finish
         for s in b_streams:
             s.thread.join(120)
             assert not s.errors, s.errors
-            assert s.done and s.finish == "length" and s.usage["completion_tokens"] == B_TOKENS, (s.usage, s.finish)
+            assert s.done and s.finish == "length" and s.usage["completion_tokens"] == want, (s.usage, s.finish)
         assert max(s.ended_at for s in b_streams) > dead_at  # b's streams were open when a died
         assert two_models.proc.wait(60) == 1
     finally:

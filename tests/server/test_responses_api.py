@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from conftest import API_KEY, ServerProcess
+from conftest import API_KEY
 from kvforge.errors import RequestFailedError, RequestFailure
 from kvforge.server.response_store import ResponseStore
 from kvforge.server.responses_api import _Turn
@@ -34,13 +34,11 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "responses.md"
 
 
 @pytest.fixture(scope="module")
-def smol(default_model_path):
-    # the tool and reasoning flags as a deployment sets them: qwen3 finds no <think> in SmolLM2's output,
-    # so unconstrained text is all content, as chat's is
-    s = ServerProcess("--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                      "--reasoning-parser", "qwen3", model=default_model_path)
-    yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
-    s.stop()
+def smol(smol_server):
+    # conftest's shared default-model server (served as MODEL), with the tool and reasoning flags as a
+    # deployment sets them: qwen3 finds no <think> in SmolLM2's output, so unconstrained text is all
+    # content, as chat's is
+    return openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, hang_up_mid_stream, metric, metric_by_label, wait_until
+from conftest import SMOL_FLAGS, ServerProcess, hang_up_mid_stream, metric, metric_by_label, wait_until
 
 
 def rank_requests(server) -> dict[str, float]:
@@ -47,11 +47,12 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def servers(default_model_path):
-    tp2 = ServerProcess("--tensor-parallel-size", "2", model=default_model_path)
-    tp1 = ServerProcess(model=default_model_path)
-    yield tp2, tp1
-    assert tp2.stop() == 0 and tp1.stop() == 0
+def servers(default_model_path, smol_server):
+    """Two ranks, and the one-rank reference: conftest's shared default-model server (it exits 0 at the
+    session's end), whose flags the two-rank server gets too."""
+    tp2 = ServerProcess("--tensor-parallel-size", "2", *SMOL_FLAGS, model=default_model_path)
+    yield tp2, smol_server
+    assert tp2.stop() == 0
 
 
 def test_chat_and_stream_equal_one_rank(servers):

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import ServerProcess
 from kvforge.tool_parsing import get_reasoning_parser, get_tool_parser
 
 WEATHER = {"type": "function", "function": {
@@ -61,11 +60,10 @@ def streamed(client, **kwargs) -> tuple[dict, str]:
 
 
 @pytest.fixture(scope="module")
-def tool_server(default_model_path, dummy_plugin_installed):
-    s = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                      "--served-model-name", "smol", "--max-num-seqs", "16", model=default_model_path)
-    yield s
-    s.stop()
+def tool_server(smol_server):
+    """conftest's shared default-model server: hermes tool calls, qwen3 reasoning, served as ``smol``,
+    16 sequences, the dummy plugin installed."""
+    return smol_server
 
 
 @pytest.fixture(scope="module")
