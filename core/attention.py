@@ -2,7 +2,10 @@
 
 One backend object serves every layer of a model. Per step the runner calls
 :meth:`AttentionBackend.build_metadata` once with a :class:`BatchLayout` (host-side arrays describing
-the flattened batch) and passes the result to every layer's :meth:`AttentionBackend.forward`.
+the flattened batch) and passes the result to every layer's :meth:`AttentionBackend.forward`. A backend
+that plans more per step returns a dataclass subclass of :class:`AttentionMetadata` with typed fields of
+its own, built from :meth:`AttentionBackend.layout_fields`, and its ``forward`` narrows ``meta`` back to
+it with :func:`metadata_of`.
 
 The cache holds the model dtype, or FP8 e4m3 (``kv_cache_dtype``): then every layer has a K and a V
 scale (:class:`KVScales`), a stored value ``x8`` standing for ``x8 * scale`` (docs/quantization.md).
@@ -12,7 +15,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -128,9 +131,24 @@ class BatchLayout:
         return np.diff(self.query_start_loc)
 
 
+class LayoutFields(TypedDict):
+    """:class:`AttentionMetadata`'s own fields (all but ``extra``), as :meth:`AttentionBackend.layout_fields`
+    gives them: a backend's subclass is ``MyMetadata(**self.layout_fields(layout), my_field=...)``."""
+
+    num_tokens: int
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 @dataclass
 class AttentionMetadata:
-    """Device-side metadata every backend needs; backends subclass it to add their own fields."""
+    """Device-side metadata every backend needs; a backend that plans more per step subclasses it (a
+    dataclass with typed fields, ``kw_only=True`` for fields without a default)."""
 
     num_tokens: int
     num_seqs: int
@@ -140,7 +158,21 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: a backend's own per-step values by name, for backends written before subclasses were the way
+    #: (the built-ins subclass; a reader narrows each value it takes out)
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+MetadataT = TypeVar("MetadataT", bound=AttentionMetadata)
+
+
+def metadata_of(meta: AttentionMetadata, kind: type[MetadataT]) -> MetadataT:
+    """``meta`` as the backend's own metadata class ``kind`` (in its ``forward``); ``TypeError`` for
+    metadata that another backend's ``build_metadata`` made."""
+    if not isinstance(meta, kind):
+        raise TypeError(f"attention metadata of type {type(meta).__name__}, not {kind.__name__}: pass what this "
+                        "backend's build_metadata returned")
+    return meta
 
 
 class AttentionBackend(ABC):
@@ -152,7 +184,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  block_size: int, dtype: torch.dtype, device: torch.device,
-                 kv_cache_dtype: torch.dtype | None = None, **options: Any):
+                 kv_cache_dtype: torch.dtype | None = None, **options: object):
         kv_cache_dtype = kv_cache_dtype or dtype
         reasons = self.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
                                 kv_cache_dtype=kv_cache_dtype)
@@ -294,7 +326,12 @@ class AttentionBackend(ABC):
         return scales
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        """Copy the step's layout to the device once; subclasses add their own planning."""
+        """The step's metadata. Default: :meth:`layout_fields`; a backend that plans more returns its
+        :class:`AttentionMetadata` subclass, built from them."""
+        return AttentionMetadata(**self.layout_fields(layout))
+
+    def layout_fields(self, layout: BatchLayout) -> LayoutFields:
+        """Copy the step's layout to the device once: the fields every backend's metadata has."""
         dev = self.device
         non_blocking = dev.type == "cuda"
 
@@ -305,7 +342,7 @@ class AttentionBackend(ABC):
             return t.to(dev, non_blocking=non_blocking)
 
         query_lens = layout.query_lens
-        return AttentionMetadata(
+        return LayoutFields(
             num_tokens=layout.num_tokens,
             num_seqs=layout.num_seqs,
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,

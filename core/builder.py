@@ -66,19 +66,22 @@ def select_attention_backend(pm: PluginManager, name: str, *, device: torch.devi
     """The backend (name, class) for ``name``; ``auto`` picks the best one that accepts this setup
     (``kv_cache_dtype``: the KV cache's element type, None for the model dtype; ``features``: the
     per-layer attention variants the model needs, ``ModelConfig.attention_features``)."""
-    setup = dict(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
-                 kv_cache_dtype=kv_cache_dtype)
-    if features:  # only then: a backend's validate written before the argument existed keeps working
-        setup["features"] = features
+    def reasons_of(cls: type) -> list[str]:
+        if features:  # only then: a backend's validate written before the argument existed keeps working
+            return cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
+                                kv_cache_dtype=kv_cache_dtype, features=features)
+        return cls.validate(device=device, dtype=dtype, head_size=head_size, block_size=block_size,
+                            kv_cache_dtype=kv_cache_dtype)
+
     if name != "auto":
         cls = pm.get("attention_backend", name)
-        reasons = cls.validate(**setup)
+        reasons = reasons_of(cls)
         if reasons:
             raise ValueError(f"attention_backend {name!r} cannot be used: {'; '.join(reasons)}")
         return name, cls
     candidates, refused = auto_order(pm)
     for candidate, cls in candidates:
-        reasons = cls.validate(**setup)
+        reasons = reasons_of(cls)
         if not reasons:
             logger.info("attention backend: %s (auto)%s", candidate,
                         f"; refused: {' | '.join(refused)}" if refused else "")

@@ -84,7 +84,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvforge import LLM, SamplingParams
+    from kvforge.engine.llm import LLM
+    from kvforge.sampling_params import SamplingParams
 
     kwargs = engine_kwargs(args)
     llm = LLM(kwargs.pop("model", None), config=kwargs.pop("config", None), **kwargs)

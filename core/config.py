@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -159,7 +160,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
-        def number(v: Any) -> bool:
+        def number(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
         if not number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -240,7 +241,7 @@ LARGE_GPU_OFFLINE = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384}
 LARGE_GPU_BYTES = 70 * 2**30
 
 
-def offline_scheduling_defaults(device: Any = "auto") -> dict[str, int]:
+def offline_scheduling_defaults(device: object = "auto") -> dict[str, int]:
     """:data:`LARGE_GPU_OFFLINE` when ``device`` resolves to a CUDA GPU of 70 GiB or more (not an A100),
     else nothing."""
     if not isinstance(device, str) or device == "cpu" or not torch.cuda.is_available():
@@ -260,9 +261,9 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"config file {path!r} does not exist")
     if path.endswith(".toml"):
-        try:
+        if sys.version_info >= (3, 11):
             import tomllib
-        except ModuleNotFoundError:  # Python < 3.11
+        else:
             import tomli as tomllib
         with open(path, "rb") as f:
             data = tomllib.load(f)

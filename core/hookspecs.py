@@ -23,9 +23,14 @@ built, and the engine then calls plain methods on them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import pluggy
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvforge.engine.llm_engine import LLMEngine
 
 PROJECT_NAME = "kvforge"
 
@@ -33,7 +38,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 #: ``register(name, target)``: ``target`` is a class or a lazy ``"module:Class"`` path.
-Register = Callable[[str, Any], None]
+Register = Callable[[str, type | str], None]
 
 
 @hookspec
@@ -180,7 +185,7 @@ def register_reasoning_parsers(register: Register) -> None:
 
 
 @hookspec
-def engine_created(engine: Any) -> None:
+def engine_created(engine: LLMEngine) -> None:
     """Called once when an :class:`kvforge.engine.llm_engine.LLMEngine` has been fully built.
 
     :param engine: the engine; plugins may read its config and components or attach observers.
@@ -191,7 +196,7 @@ def engine_created(engine: Any) -> None:
 
 
 @hookspec
-def server_app_created(app: Any) -> None:
+def server_app_created(app: FastAPI) -> None:
     """Called once when the OpenAI-compatible server's FastAPI app has been built.
 
     :param app: the ``fastapi.FastAPI`` instance; a plugin may add routes or middleware.

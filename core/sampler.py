@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 #: the token a sampler returns for a row where no token can be sampled: every logit is -inf (the
 #: request's masks exclude the whole vocabulary) or one is NaN. The engine fails that request (a 400).
 NO_TOKEN = -1
+
+#: a sampler's per-step state: what :meth:`Sampler.prepare` gathers and :meth:`Sampler.sample` reads
+#: (``DefaultSampler``'s is ``kvforge.plugins.sampling.default.SamplingState``); the engine only passes it on
+SamplingStateT = TypeVar("SamplingStateT")
 
 
 class LogitsProcessor(ABC):
@@ -32,13 +36,16 @@ class LogitsProcessor(ABC):
     request_options: type | None = None
 
     @classmethod
-    def options_of(cls, request: Request) -> Any:
+    def options_of(cls, request: Request) -> Any:  # an instance of this processor's request_options
         """``request_options`` built from the request's ``extra_args`` (the keys it declares)."""
         import dataclasses
 
+        options = cls.request_options
+        if options is None:
+            raise TypeError(f"logits processor {cls.name!r} declares no request_options")
         args = request.sampling_params.extra_args or {}
-        keys = {f.name for f in dataclasses.fields(cls.request_options)}
-        return cls.request_options(**{k: v for k, v in args.items() if k in keys})
+        keys = {f.name for f in dataclasses.fields(options)}
+        return options(**{k: v for k, v in args.items() if k in keys})
 
     def __init__(self, *, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -51,28 +58,32 @@ class LogitsProcessor(ABC):
         Returns the new logits of the same shape. Called once per step, never per request."""
 
 
-class Sampler(ABC):
-    """Turns one step's logits into tokens. Built once per engine; ``prepare`` runs once per step."""
+class Sampler(ABC, Generic[SamplingStateT]):
+    """Turns one step's logits into tokens. Built once per engine; ``prepare`` runs once per step.
+
+    Generic in its state: a sampler declares what ``prepare`` returns and ``sample`` / ``target`` read
+    (``class DefaultSampler(Sampler[SamplingState])``); the engine holds it opaque between the two calls.
+    """
 
     name: str = ""
 
     def __init__(self, *, vocab_size: int, device: torch.device,
-                 logits_processors: Callable[[str], LogitsProcessor] | None = None, **options: Any):
+                 logits_processors: Callable[[str], LogitsProcessor] | None = None, **options: object):
         """``logits_processors(name)`` returns the engine's instance of a registered processor."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.get_processor = logits_processors
 
     @abstractmethod
-    def prepare(self, requests: Sequence[Request]) -> Any:
+    def prepare(self, requests: Sequence[Request]) -> SamplingStateT:
         """Gather the per-request parameters of the rows to sample into device tensors."""
 
     @abstractmethod
-    def sample(self, logits: torch.Tensor, state: Any) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, state: SamplingStateT) -> torch.Tensor:
         """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64 on the same device;
         :data:`NO_TOKEN` for a row with nothing to sample (no finite logit, or a NaN)."""
 
-    def target(self, logits: torch.Tensor, state: Any) -> "TargetDistribution":
+    def target(self, logits: torch.Tensor, state: SamplingStateT) -> TargetDistribution:
         """The distribution :meth:`sample` would draw from at each row, for speculative decoding's
         rejection sampler (``kvforge.spec_decode.rejection_sampler``): greedy tokens, probabilities after every
         transformation, rows with nothing to sample, and the seeded rows' generators. Rows may be

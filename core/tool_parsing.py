@@ -23,9 +23,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from kvforge.plugin_manager import get_plugin_manager
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+#: a value as ``json.loads`` returns it
+JSONValue = Union[dict[str, "JSONValue"], list["JSONValue"], str, int, float, bool, None]
 
 
 @dataclass
@@ -86,7 +92,7 @@ class _TextStream:
         return 0
 
     @staticmethod
-    def _decode_at(text: str, pos: int) -> tuple[Any, int] | None:
+    def _decode_at(text: str, pos: int) -> tuple[JSONValue, int] | None:
         """The JSON value starting exactly at ``pos`` and the index after it; None if there is none (yet)."""
         try:
             return json.JSONDecoder().raw_decode(text, pos)
@@ -94,7 +100,7 @@ class _TextStream:
             return None
 
     @classmethod
-    def _decode(cls, text: str) -> Any:
+    def _decode(cls, text: str) -> JSONValue:
         """``text`` (surrounding whitespace allowed) as one JSON value; None if it is not one."""
         stripped = text.strip()
         found = cls._decode_at(stripped, 0)
@@ -109,7 +115,7 @@ class ToolParser(_TextStream):
     until then it may still turn out malformed, and a malformed call is content.
     """
 
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None):
         self.tokenizer = tokenizer  # the request's tokenizer, for formats that need it; may be None
         self._pending = ""  # fed but not consumed yet: an open call, or a suffix that may start a marker
         self._content = _LeadingWhitespace()
@@ -164,7 +170,7 @@ class ToolParser(_TextStream):
         return [text], len(text)
 
     @staticmethod
-    def _call(name: Any, arguments: Any) -> FunctionCall | None:
+    def _call(name: object, arguments: object) -> FunctionCall | None:
         """A call if ``name`` is a non-empty string and ``arguments`` an object (or the JSON text of one),
         with the arguments normalised to ``json.dumps(..., ensure_ascii=False)``; None otherwise."""
         if isinstance(arguments, str):  # some models encode the arguments object as a JSON string
@@ -183,7 +189,7 @@ class ReasoningParser(_TextStream):
     A subclass implements :meth:`_consume` and inherits ``parse``, ``feed`` and ``finish``.
     """
 
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None = None):
         self.tokenizer = tokenizer
         self._pending = ""
         self._reasoning = _LeadingWhitespace()

@@ -18,13 +18,15 @@ import asyncio
 import dataclasses
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pluggy import HookRelay
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 import kvforge
 from kvforge.engine.client import EngineClient
@@ -77,12 +79,13 @@ class _App(FastAPI):
     """FastAPI with :class:`RequestContext` around the whole stack, Starlette's error middleware (which
     answers 500s) included: every answer carries the request id, every request is logged."""
 
-    def build_middleware_stack(self) -> Any:
+    def build_middleware_stack(self) -> ASGIApp:
         return RequestContext(super().build_middleware_stack())
 
 
-def create_app(engines: EngineClient | Sequence[EngineNames], served_names: list[str] | None = None, *,
-               api_key: str | None = None, chat_template: str | None = None, hook: Any = None,
+def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ...],
+               served_names: list[str] | None = None, *,
+               api_key: str | None = None, chat_template: str | None = None, hook: HookRelay | None = None,
                trust_request_chat_template: bool = False, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
                allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None,
@@ -101,10 +104,13 @@ def create_app(engines: EngineClient | Sequence[EngineNames], served_names: list
     ``responses_store_bytes``: the byte bound of the stored Responses API responses.
     The app's ``state.readiness`` is the :class:`Readiness` that ``/ready`` reports and a drain uses.
     """
-    if served_names is not None:
-        pairs = [(engines, served_names)]
-    elif isinstance(engines, (list, tuple)):
+    pairs: list[EngineNames]
+    if isinstance(engines, (list, tuple)):
+        if served_names is not None:
+            raise TypeError("create_app(engine, served_names) or create_app([(engine, served_names), ...])")
         pairs = list(engines)
+    elif served_names is not None:
+        pairs = [(engines, served_names)]
     else:
         raise TypeError("create_app(engine, served_names) or create_app([(engine, served_names), ...])")
     metrics = ServerMetrics()
@@ -160,9 +166,10 @@ def create_app(engines: EngineClient | Sequence[EngineNames], served_names: list
     adapters = app.state.lora_adapters = LoRAAdapters(models)
     add_lora_routes(app, adapters, allow_runtime_lora_updating)
     add_responses_routes(app, models, ResponseStore(max_bytes=responses_store_bytes))
-    app.add_exception_handler(APIError, handle_api_error)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
-    app.add_exception_handler(HTTPException, handle_http_error)
+    # the decorator form: Starlette types add_exception_handler's handler for any Exception
+    app.exception_handler(APIError)(handle_api_error)
+    app.exception_handler(RequestValidationError)(handle_validation_error)
+    app.exception_handler(HTTPException)(handle_http_error)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError):
@@ -225,13 +232,13 @@ def create_app(engines: EngineClient | Sequence[EngineNames], served_names: list
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving = models.resolve(req.model).serving
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
-        if req.messages is not None:
+        if req.messages is not None and req.prompt is None:
             text = await serving.render_chat(req.messages, req.add_generation_prompt, None)
             ids = await serving.encode(text, False, "messages")
-        else:
+        elif req.prompt is not None and req.messages is None:
             ids = await serving.encode(req.prompt, req.add_special_tokens, "prompt")
+        else:
+            raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
         return {"count": len(ids), "max_model_len": serving.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

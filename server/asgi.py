@@ -6,12 +6,14 @@ extra memory stream and task.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Sequence
+
+from starlette.types import Scope, Send
 
 from kvforge.server.errors import error_body
 
 
-def route_path(scope: dict) -> str:
+def route_path(scope: Scope) -> str:
     """The path the routes see: with ``--root-path /api`` uvicorn puts ``/api`` in front of the path a
     proxy forwarded (``/api/v1/models``) and the routes match what follows it (``/v1/models``).
 
@@ -25,12 +27,12 @@ def route_path(scope: dict) -> str:
     return path
 
 
-def header(scope: dict, name: bytes) -> bytes | None:
+def header(scope: Scope, name: bytes) -> bytes | None:
     """The first value of a request header (``name`` in lower case), or None."""
     return next((v for k, v in scope.get("headers") or () if k == name), None)
 
 
-async def send_error(send: Any, status: int, message: str, *, param: str | None = None, type: str | None = None,
+async def send_error(send: Send, status: int, message: str, *, param: str | None = None, type: str | None = None,
                      code: str | None = None, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer with OpenAI's error object, from middleware (before any route runs)."""
     payload = json.dumps(error_body(status, message, param, type, code)).encode()

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import hmac
-from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvforge.server.asgi import header, route_path
 from kvforge.server.errors import error_response
@@ -17,10 +18,10 @@ class ApiKeyAuth:
     ``BaseHTTPMiddleware`` pipes every streamed chunk through an extra memory stream and task, a large
     part of a token's serving cost."""
 
-    def __init__(self, app: Any, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str):
         self.app, self.key = app, api_key.encode()
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and route_path(scope).startswith(PROTECTED_PREFIXES):
             value = header(scope, b"authorization") or b""
             given = value[7:] if value[:7].lower() == b"bearer " else b""

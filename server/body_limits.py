@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import NoReturn
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.server.asgi import send_error
 
@@ -33,7 +35,7 @@ class BodyError(ValueError):
         self.status, self.param = status, param
 
 
-def _reject_constant(name: str) -> Any:
+def _reject_constant(name: str) -> NoReturn:
     raise BodyError(400, f"the body holds {name}, which is not valid JSON (numbers must be finite)")
 
 
@@ -59,12 +61,12 @@ def vet_json(body: bytes) -> None:
         # a Python call per integer is slow on long token lists: only a body with an over-long digit
         # run (possibly inside a string: harmless) is parsed with the checking hook
         long_int = _LONG_DIGITS.search(text) is not None
-        data = json.loads(text, parse_constant=_reject_constant, **({"parse_int": _parse_int} if long_int else {}))
+        data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int if long_int else None)
     except RecursionError:
         raise BodyError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except json.JSONDecodeError as exc:
         raise BodyError(400, f"malformed JSON body: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
-    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    stack: list[tuple[object, int, str]] = [(data, 1, "")]
     while stack:  # iterative: no recursion on hostile input
         node, depth, path = stack.pop()
         if isinstance(node, str):
@@ -88,12 +90,12 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 class BodyLimits:
-    def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.max_body_bytes
@@ -122,7 +124,7 @@ class BodyLimits:
                 return await _reply(send, exc.status, str(exc), exc.param)
         replayed = False
 
-        async def replay() -> dict:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -136,7 +138,7 @@ class _TooLarge(Exception):
     pass
 
 
-async def _read_body(receive: Any, chunks: list[bytes], limit: int) -> bool:
+async def _read_body(receive: Receive, chunks: list[bytes], limit: int) -> bool:
     """Append the body's chunks to ``chunks``; False if the client disconnected, ``_TooLarge`` past ``limit``."""
     size = 0
     while True:
@@ -155,7 +157,7 @@ async def _read_body(receive: Any, chunks: list[bytes], limit: int) -> bool:
 _CODES = {413: "request_too_large", 408: "request_timeout"}
 
 
-async def _reply(send: Any, status: int, message: str, param: str | None = None, close: bool = False) -> None:
+async def _reply(send: Send, status: int, message: str, param: str | None = None, close: bool = False) -> None:
     """The error; ``close``: end the connection with it (a body too slow to wait for)."""
     await send_error(send, status, message, param=param, code=_CODES.get(status),
                      headers=[(b"connection", b"close")] if close else [])

@@ -7,10 +7,54 @@ constrained value.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal, TypedDict
+
+from typing_extensions import NotRequired  # typing's from Python 3.11
 
 from kvforge.server.tools import ToolPlan, ToolStream, new_call_id
 from kvforge.tool_parsing import ReasoningParser, StreamDelta
+
+
+class FunctionJSON(TypedDict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallJSON(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionJSON
+
+
+class AssistantMessage(TypedDict):
+    """A whole choice's ``message``."""
+
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: NotRequired[str | None]  # with a reasoning parser
+    tool_calls: NotRequired[list[ToolCallJSON]]
+
+
+class FunctionDeltaJSON(TypedDict):
+    name: NotRequired[str]  # in a call's first delta
+    arguments: str
+
+
+class ToolCallDeltaJSON(TypedDict):
+    """A streamed call: the first delta of a call has its id, type and name; later ones argument fragments."""
+
+    index: int
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: FunctionDeltaJSON
+
+
+class ChatDelta(TypedDict, total=False):
+    """A streamed choice's ``delta``: keys only where there is something to say."""
+
+    reasoning_content: str
+    content: str
+    tool_calls: list[ToolCallDeltaJSON]
 
 
 class ChoiceOutput:
@@ -33,13 +77,13 @@ class ChoiceOutput:
         return "tool_calls" if reason == "stop" and self.has_calls else reason
 
     # -- whole -------------------------------------------------------------------------------------------
-    def message(self, text: str) -> dict:
+    def message(self, text: str) -> AssistantMessage:
         reasoning = None
         if self.reasoning_cls is not None:
-            reasoning, text = self.reasoning_cls().parse(text)
-            text = text or ""
+            reasoning, content_text = self.reasoning_cls().parse(text)
+            text = content_text or ""
         content, calls = self.plan.parse(text)
-        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        msg: AssistantMessage = {"role": "assistant", "content": content if (content or not calls) else None}
         if self.reasoning_cls is not None:
             msg["reasoning_content"] = reasoning
         if calls:
@@ -51,7 +95,7 @@ class ChoiceOutput:
         return msg
 
     # -- streamed ----------------------------------------------------------------------------------------
-    def delta(self, text: str, final: bool) -> dict:
+    def delta(self, text: str, final: bool) -> ChatDelta:
         """The chat delta of one piece of output (keys only where there is something to say)."""
         reasoning = ""
         if self.reasoning is not None:
@@ -60,7 +104,7 @@ class ChoiceOutput:
                 r_end, c_end = self.reasoning.finish()
                 reasoning, text = reasoning + r_end, text + c_end
         pieces = [self.tools.feed(text)] + ([self.tools.finish()] if final else [])
-        out: dict[str, Any] = {}
+        out: ChatDelta = {}
         if reasoning:
             out["reasoning_content"] = reasoning
         content = "".join(p.content for p in pieces)
@@ -71,10 +115,10 @@ class ChoiceOutput:
             out["tool_calls"] = calls
         return out
 
-    def _call_deltas(self, pieces: list[StreamDelta]) -> list[dict]:
+    def _call_deltas(self, pieces: list[StreamDelta]) -> list[ToolCallDeltaJSON]:
         """OpenAI's streamed tool calls: a call's first delta has its id, type and name; later ones add
         argument fragments."""
-        out: list[dict] = []
+        out: list[ToolCallDeltaJSON] = []
         for piece in pieces:
             for d in piece.tool_calls:
                 if d.index not in self.call_ids:

@@ -4,10 +4,14 @@ mid-stream. Nothing is left behind: no queue entry, no running sequence, no KV b
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.responses import ContentStream
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
 
 
 async def _disconnected(request: Request) -> None:
@@ -17,7 +21,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
     """Await ``work``, or cancel it when the client goes away first (its ``finally`` blocks abort what
     it started). A cancelled request gets 499, which no client reads."""
     task = asyncio.ensure_future(work)
@@ -40,11 +44,11 @@ class AbortingStreamingResponse(StreamingResponse):
     """A stream that runs ``on_close`` however it ends: finished, failed, cancelled by a disconnect,
     or never started because the client left before the first byte."""
 
-    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
+    def __init__(self, content: ContentStream, on_close: Callable[[], None], **kwargs: Any):
         super().__init__(content, **kwargs)
         self.on_close = on_close
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

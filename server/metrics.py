@@ -6,10 +6,14 @@ exposition still holds each family once (one HELP and TYPE line), with one serie
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from kvforge.engine.stats import EngineStats
+    from kvforge.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
@@ -19,7 +23,7 @@ class _EngineCollector:
     """Each engine's gauges and counters, read at scrape time, merged into one family per metric."""
 
     def __init__(self) -> None:
-        self.stats: dict[str, Callable[[], dict[str, Any]]] = {}  # model_name -> its engine's get_stats
+        self.stats: dict[str, Callable[[], EngineStats]] = {}  # model_name -> its engine's get_stats
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
@@ -32,21 +36,22 @@ class _EngineCollector:
         yield from families.values()
 
 
-def _engine_families(s: dict[str, Any], model: str) -> Iterator[Metric]:
+def _engine_families(s: EngineStats, model: str) -> Iterator[Metric]:
     """One engine's families (its ``get_stats()`` as ``s``), each series labelled ``model_name=model``."""
     labels = ["model_name"]
 
-    def gauge(name, doc, value):
+    def gauge(name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(name, doc, labels=labels)
         g.add_metric([model], value)
         return g
 
-    def counter(name, doc, value):
+    def counter(name: str, doc: str, value: float) -> Metric:
         c = CounterMetricFamily(name, doc, labels=labels)
         c.add_metric([model], value)
         return c
 
-    def by(family, name, doc, label, values):
+    def by(family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, label: str,
+           values: Iterable[tuple[object, float]]) -> Metric:
         """One series per (label value, value) pair of ``values``."""
         f = family(name, doc, labels=[*labels, label])
         for key, value in values:
@@ -60,7 +65,7 @@ def _engine_families(s: dict[str, Any], model: str) -> Iterator[Metric]:
     yield counter("kvforge:prefix_cache_hits", "Tokens found in the prefix cache.", s["prefix_cache_hits"])
     yield counter("kvforge:num_preemptions", "Preemptions of running sequences.", s["num_preemptions"])
     yield by(CounterMetricFamily, "kvforge:num_preemptions_by_mode", "Preemptions by mode.", "mode",
-             ((mode, s[f"num_preemptions_{mode}"]) for mode in ("recompute", "swap")))
+             (("recompute", s["num_preemptions_recompute"]), ("swap", s["num_preemptions_swap"])))
     yield counter("kvforge:swapped_out_blocks", "KV blocks copied to the CPU swap pool.",
                   s["num_swapped_out_blocks"])
     yield gauge("kvforge:num_requests_swapped", "Sequences whose KV blocks wait in the CPU swap pool.",
@@ -94,10 +99,10 @@ def _engine_families(s: dict[str, Any], model: str) -> Iterator[Metric]:
 class ModelMetrics:
     """One model's request-latency histograms (its ``model_name`` series of the server's)."""
 
-    def __init__(self, model: str, ttft: Any, itl: Any, e2e: Any):
+    def __init__(self, model: str, ttft: Histogram, itl: Histogram, e2e: Histogram):
         self.model, self.ttft, self.itl, self.e2e = model, ttft, itl, e2e
 
-    def observe(self, out: Any, previous_token_time: float | None) -> float | None:
+    def observe(self, out: RequestOutput, previous_token_time: float | None) -> float | None:
         """Record one output delta's latencies; returns the new last-token time."""
         m = out.metrics
         if m is None or m.last_token_time is None:
@@ -118,19 +123,24 @@ class ServerMetrics:
     ``ServerMetrics(stats, model)`` is ``ServerMetrics()`` followed by ``add_model(stats, model)``.
     """
 
-    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None, model: str | None = None):
+    def __init__(self, stats: Callable[[], EngineStats] | None = None, model: str | None = None):
         self.registry = CollectorRegistry()
         self._engines = _EngineCollector()
         self.registry.register(self._engines)
-        kw = dict(labelnames=["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self._ttft = Histogram("kvforge:time_to_first_token_seconds", "Time to first token.", **kw)
-        self._itl = Histogram("kvforge:inter_token_latency_seconds", "Time between output deltas.", **kw)
-        self._e2e = Histogram("kvforge:e2e_request_latency_seconds", "Request latency, arrival to finish.", **kw)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labelnames=["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+
+        self._ttft = histogram("kvforge:time_to_first_token_seconds", "Time to first token.")
+        self._itl = histogram("kvforge:inter_token_latency_seconds", "Time between output deltas.")
+        self._e2e = histogram("kvforge:e2e_request_latency_seconds", "Request latency, arrival to finish.")
         self.models: dict[str, ModelMetrics] = {}
         if stats is not None:
+            if model is None:
+                raise TypeError("ServerMetrics(stats, model): the model name of the stats is missing")
             self.add_model(stats, model)
 
-    def add_model(self, stats: Callable[[], dict[str, Any]], model: str) -> ModelMetrics:
+    def add_model(self, stats: Callable[[], EngineStats], model: str) -> ModelMetrics:
         """Expose an engine's stats (``get_stats``, called at each scrape) as ``model_name=model``;
         returns that model's histograms, for its ``OpenAIServing`` to observe."""
         if model in self.models:

@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Callable, Union
 
 from fastapi.responses import JSONResponse
 
@@ -29,7 +29,17 @@ from kvforge.server.tools import ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from kvforge.lora.request import LoRARequest
+    from kvforge.outputs import RequestOutput
+    from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
     from kvforge.server.models import ServedModel
+
+#: an engine request's id and its output deltas
+Started = list[tuple[str, AsyncIterator["RequestOutput"]]]
+#: a request of either endpoint (their shared sampling fields and checks)
+SamplingRequest = Union[ChatCompletionRequest, CompletionRequest]
 
 
 #: seconds a chat template may take to render before the request is refused
@@ -38,7 +48,7 @@ RENDER_TIMEOUT_S = 10.0
 _CHARS_SLACK = 4
 
 
-def sse(obj: Any) -> str:
+def sse(obj: object) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -72,7 +82,7 @@ class OpenAIServing:
                                 f"completion). Please reduce the length of the {what} or completion.", what)
         return requested
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", "model")
@@ -93,11 +103,15 @@ class OpenAIServing:
         if chat_template is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template: request-supplied chat templates are refused; the server must run "
                                 "with --trust-request-chat-template to accept them", "chat_template")
-        extra = {"tools": tools} if tools else {}
+        template_tools: list[dict | Callable] | None = list(tools) if tools else None
 
         def render() -> str:
-            return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template or self.chat_template, **extra)
+            text = tok.apply_chat_template(conv, tools=template_tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template or self.chat_template)
+            if not isinstance(text, str):  # tokenize=False renders text
+                raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
+            return text
 
         loop = asyncio.get_running_loop()
         try:
@@ -132,8 +146,8 @@ class OpenAIServing:
             raise APIError(400, f"{name}: {value} is more than max_logprobs={limit} (--max-logprobs)", name)
 
     # -- streams ----------------------------------------------------------------------------------
-    async def start(self, prompts: list[dict], params: list, request_id: str, priority: int,
-                    lora_request: Any = None) -> list[tuple[str, Any]]:
+    async def start(self, prompts: list[dict], params: list[SamplingParams], request_id: str, priority: int,
+                    lora_request: LoRARequest | None = None) -> Started:
         """Queue one engine request per prompt; on a bad one (or a disconnect), abort those already queued.
 
         ``request_id``: the answer's id (``chatcmpl-<hex>``); the engine requests' ids start with the HTTP
@@ -145,7 +159,7 @@ class OpenAIServing:
         if http is not None:
             http.response_id = request_id  # for the request line
             request_id = f"{http.request_id}:{request_id}"
-        started = []
+        started: Started = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -158,7 +172,7 @@ class OpenAIServing:
             raise
         return started
 
-    def stream(self, gen: AsyncIterator[str], started: list) -> AbortingStreamingResponse:
+    def stream(self, gen: AsyncGenerator[str, None], started: Started) -> AbortingStreamingResponse:
         """A server-sent-event response whose requests are aborted however it ends."""
         def abort_all() -> None:
             for rid, _ in started:
@@ -166,7 +180,7 @@ class OpenAIServing:
 
         return AbortingStreamingResponse(self._guarded(gen), abort_all, media_type="text/event-stream")
 
-    async def merged(self, started: list[tuple[str, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    async def merged(self, started: Started) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, output delta) from every stream as they come; aborts all if left early."""
         if len(started) == 1:  # one prompt (every chat request): its stream as it is, no task in between
             rid, stream = started[0]
@@ -177,12 +191,12 @@ class OpenAIServing:
                     yield 0, out
             finally:
                 self.engine.abort(rid)  # a no-op for a finished request
-                await stream.aclose()
+                await _close(stream)
             return
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         last_times: dict[int, float | None] = {}
 
-        async def pump(i: int, stream: Any) -> None:
+        async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
             try:
                 async for out in stream:
                     await q.put((i, out))
@@ -210,10 +224,10 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
             for rid, stream in started:
                 self.engine.abort(rid)  # covers streams never started; a no-op for finished requests
-                await stream.aclose()
+                await _close(stream)
 
     # -- chat -------------------------------------------------------------------------------------
-    def check_common(self, req: Any) -> None:
+    def check_common(self, req: SamplingRequest) -> None:
         """Checks both endpoints share, before anything is rendered or tokenized."""
         self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         if req.prompt_logprobs is not None and req.stream:
@@ -237,9 +251,10 @@ class OpenAIServing:
         max_tokens = self.max_tokens(len(ids), requested, "messages")
         params = self._params(req, max_tokens, top if req.logprobs else None)
         await self.check_constraint(req)
-        if plan.constrained:
-            params = dataclasses.replace(params, structured_outputs=plan.constraint())
-            await self.check_structured(params.structured_outputs, "tools")
+        tools_constraint = plan.constraint()  # a required or named tool choice's
+        if tools_constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=tools_constraint)
+            await self.check_structured(tools_constraint, "tools")
         self.check_xargs(params)
         reasoning = self.tool_options.reasoning_parser
         reasoning_cls = get_reasoning_parser(reasoning) if reasoning else None
@@ -282,14 +297,14 @@ class OpenAIServing:
         plan = ToolPlan.build([t.function for t in req.tools or []], choice, req.parallel_tool_calls,
                               self.tool_options)
         if plan.constrained:
-            _, field = req.structured()
-            if field is not None:
+            constraint = req.structured()
+            if constraint is not None:
                 raise APIError(400, f"tool_choice: a {plan.mode} tool choice constrains the output itself; it cannot "
-                                    f"be combined with {field}", "tool_choice")
+                                    f"be combined with {constraint.field}", "tool_choice")
         return plan
 
     async def _chat_stream(self, started, rid, created, model, outputs, top, prompt_len, include_usage,
-                           want_logprobs) -> AsyncIterator[str]:
+                           want_logprobs) -> AsyncGenerator[str, None]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         for i in range(len(outputs)):
             yield sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -321,28 +336,29 @@ class OpenAIServing:
                 "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
                                   "bytes": list((v.decoded_token or "").encode())} for _, v in tops]}
 
-    def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
+    def _params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as exc:
             raise bad_request_from_value_error(exc) from None
 
-    async def check_constraint(self, req: Any) -> None:
+    async def check_constraint(self, req: SamplingRequest) -> None:
         """Compile a structured-output constraint off the event loop (cached for the engine): 400 if invalid."""
         try:
-            so, field = req.structured()
+            constraint = req.structured()
         except ValueError as exc:
             raise bad_request_from_value_error(exc) from None
-        if so is not None:
-            await self.check_structured(so, field)
+        if constraint is not None:
+            await self.check_structured(constraint.params, constraint.field)
 
-    async def check_structured(self, so: Any, field: str) -> None:
+    async def check_structured(self, so: StructuredOutputsParams, field: str) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.check_structured_outputs, so)
         except ValueError as exc:
             raise APIError(400, f"{field}: {exc}", field) from None
 
-    def check_xargs(self, params: Any) -> None:
+    def check_xargs(self, params: SamplingParams) -> None:
         """``vllm_xargs``: every key taken by a logits processor the request enables, every value valid
         for its options (``kvforge.engine.input_checks.check_extra_args``): else a 400 naming the key."""
         if params.extra_args:
@@ -411,7 +427,7 @@ class OpenAIServing:
         return JSONResponse(head | {"choices": choices, "usage": _usage(prompt_tokens, n_gen)})
 
     @staticmethod
-    async def _guarded(gen: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _guarded(gen: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
         """A stream whose request fails (or whose engine dies) ends with an error event and ``[DONE]``."""
         try:
             async for chunk in gen:
@@ -427,7 +443,7 @@ class OpenAIServing:
             await gen.aclose()
 
     async def _completion_stream(self, started, head, req, texts, prompts, prompt_tokens,
-                                 include_usage) -> AsyncIterator[str]:
+                                 include_usage) -> AsyncGenerator[str, None]:
         n_gen = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # text offset reached by each choice
@@ -473,6 +489,14 @@ class OpenAIServing:
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def _close(stream: AsyncIterator[RequestOutput]) -> None:
+    """Close an engine stream that is an async generator (every front end's is); the contract promises
+    only an iterator."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def _top_dict(entry: dict, top: int) -> dict:

@@ -7,7 +7,7 @@ lists to these models.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
@@ -36,6 +36,13 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "service_tier": ("kvforge has one service tier", None),
     "suffix": ("suffix (insertion) is not supported", None),
 }
+
+
+class Constraint(NamedTuple):
+    """A request's structured-output constraint and the field that asked for it (named in its 400s)."""
+
+    params: StructuredOutputsParams
+    field: str
 
 
 class _Body(BaseModel):
@@ -141,33 +148,35 @@ class _Sampling(_Body):
                              "kvforge returns every sample it generates")
         return v
 
-    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+    def structured(self) -> Constraint | None:
         """The output constraint, if any, and the field that asked for it."""
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            return StructuredOutputsParams(json_object=True), "response_format"
+            return Constraint(StructuredOutputsParams(json_object=True), "response_format")
         if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
                 raise ValueError("response_format: json_schema is required when type is json_schema")
-            return StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"
+            return Constraint(StructuredOutputsParams(json=rf.json_schema.schema_), "response_format")
         so = self.structured_outputs
         if so is not None:
-            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
-                                           json_object=so.json_object), "structured_outputs"
+            return Constraint(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                                      json_object=so.json_object), "structured_outputs")
         for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
             if getattr(self, name) is not None:
                 try:
-                    return StructuredOutputsParams(**{kw: getattr(self, name)}), name
+                    return Constraint(StructuredOutputsParams(**{kw: getattr(self, name)}), name)
                 except ValueError as exc:  # name the field the client sent, not the engine's
                     raise ValueError(str(exc).replace(f"structured_outputs.{kw}", name)) from None
-        return None, None
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        so, _ = self.structured()
+        constraint = self.structured()
+        so = constraint.params if constraint is not None else None
         return SamplingParams(
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            repetition_penalty=self.repetition_penalty, logit_bias=_token_keys(self.logit_bias),
+            min_tokens=self.min_tokens,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             spaces_between_special_tokens=self.spaces_between_special_tokens, structured_outputs=so,
             logits_processors=self.logits_processors,
@@ -179,6 +188,16 @@ class _Sampling(_Body):
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else prompt_logprobs,
             extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None)
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its JSON keys (strings) as the token ids they name."""
+    if bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:  # SamplingParams' own message for a key that is no token id
+        raise ValueError("logit_bias must map token ids to numbers") from None
 
 
 def refuse(name: str, value: Any) -> Any:
@@ -239,10 +258,12 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
-    def template_dict(self) -> dict:
+    def template_dict(self) -> dict[str, object]:
         """The message as the chat template gets it: calls with their arguments as objects (as vLLM
         passes them: templates such as Llama 3.1's and Qwen's serialise them themselves)."""
-        msg = {"role": self.role, "content": self.text()} | ({"name": self.name} if self.name is not None else {})
+        msg: dict[str, object] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
@@ -296,8 +317,8 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+            return [[x for x in p if isinstance(x, int)]]
+        return [x for x in p if not isinstance(x, int)]
 
 
 class TokenizeRequest(_Body):

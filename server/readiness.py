@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable
+from typing import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.server.asgi import route_path, send_error
 from kvforge.server.errors import error_body
@@ -108,12 +110,12 @@ class Readiness:
 class _Response:
     """What an admitted request has sent so far (to end it properly if the drain aborts it)."""
 
-    def __init__(self, send: Any):
+    def __init__(self, send: Send):
         self.send = send
         self.started = self.complete = False
         self.event_stream = False
 
-    async def __call__(self, message: dict) -> None:
+    async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
             content_type = dict(message.get("headers") or ()).get(b"content-type", b"")
@@ -137,10 +139,10 @@ class Admission:
     """ASGI middleware: 503 while starting or draining (``OPEN_PATHS`` excepted); admitted requests run
     in a task of their own that the drain can cancel."""
 
-    def __init__(self, app: Any, readiness: Readiness):
+    def __init__(self, app: ASGIApp, readiness: Readiness):
         self.app, self.readiness = app, readiness
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         reason = self.readiness.not_ready_reason()

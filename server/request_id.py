@@ -18,7 +18,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TypeGuard
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.server.asgi import header, route_path
 
@@ -54,12 +56,12 @@ def current_request_id() -> str | None:
     return info.request_id if info is not None else None
 
 
-def valid_request_id(value: bytes | None) -> bool:
+def valid_request_id(value: bytes | None) -> TypeGuard[bytes]:
     """1 to ``MAX_REQUEST_ID_LEN`` bytes, each visible ASCII (no space, no control character)."""
     return value is not None and 0 < len(value) <= MAX_REQUEST_ID_LEN and all(0x21 <= b <= 0x7E for b in value)
 
 
-def request_id_of(scope: dict) -> str:
+def request_id_of(scope: Scope) -> str:
     """The client's ``X-Request-Id`` when valid, else a new one."""
     given = header(scope, REQUEST_ID_HEADER)
     return given.decode("ascii") if valid_request_id(given) else uuid.uuid4().hex
@@ -78,10 +80,10 @@ class RequestIdFilter(logging.Filter):
 class RequestContext:
     """ASGI middleware: the request id (see the module docstring), its response header, the request line."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         info = RequestInfo(request_id_of(scope))
@@ -89,7 +91,7 @@ class RequestContext:
         status = 0
         echoed = (REQUEST_ID_HEADER, info.request_id.encode("ascii"))
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -111,7 +113,7 @@ class RequestContext:
 def _log_request(level: int, method: str, path: str, status: int, seconds: float, info: RequestInfo) -> None:
     # status 0: the client left (or the server stopped) before an answer started
     text = f"{method} {path} {status or '-'} {seconds:.3f} s"
-    fields: dict[str, Any] = {"method": method, "path": path, "status": status or None,
+    fields: dict[str, str | int | float | None] = {"method": method, "path": path, "status": status or None,
                               "duration_s": round(seconds, 6)}
     if info.response_id:
         text += f" {info.response_id}"

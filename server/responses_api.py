@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Generator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -25,6 +25,7 @@ from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, bad_request_from_value_error
+from kvforge.server.protocol import Constraint
 from kvforge.server.response_store import ResponseStore, StoredResponse, json_bytes
 from kvforge.server.responses_protocol import (
     ITEM,
@@ -38,6 +39,7 @@ from kvforge.server.tools import ToolOptions, ToolPlan, new_call_id
 from kvforge.tool_parsing import ReasoningParser, StreamDelta, get_reasoning_parser
 
 if TYPE_CHECKING:
+    from kvforge.outputs import RequestOutput
     from kvforge.server.models import ServedModel, ServedModels
     from kvforge.server.openai_api import OpenAIServing
 
@@ -88,12 +90,13 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     items = history + req.items()
     items_bytes = _stored_size(req, items, previous, store)
     plan = _tool_plan(req, options)
-    constraint, field = _format_constraint(req)
-    if plan.constrained:
+    constraint = _format_constraint(req)
+    tools_constraint = plan.constraint()  # a required or named tool choice's
+    if tools_constraint is not None:
         if constraint is not None:
             raise APIError(400, f"text.format: a {plan.mode} tool_choice constrains the output itself; it cannot be "
                                 f"combined with a {req.text_format().type} format", "text.format")
-        constraint, field = plan.constraint(), "tools"
+        constraint = Constraint(tools_constraint, "tools")
     try:
         prompt = await serving.render_conversation(conversation(items, req.instructions), True, None,
                                                    tools=plan.template_tools())
@@ -105,11 +108,12 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     max_tokens = serving.max_tokens(len(ids), req.max_output_tokens, "input")
     try:
         params = SamplingParams(temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
-                                max_tokens=max_tokens, structured_outputs=constraint)
+                                max_tokens=max_tokens,
+                                structured_outputs=constraint.params if constraint is not None else None)
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     if constraint is not None:
-        await serving.check_structured(constraint, field)
+        await serving.check_structured(constraint.params, constraint.field)
     reasoning = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
     turn = _Turn(req, served.name, plan, reasoning if constraint is None else None, len(ids), items, store, serving,
                  items_bytes)
@@ -151,13 +155,13 @@ def _tool_plan(req: ResponsesRequest, options: ToolOptions) -> ToolPlan:
     return ToolPlan.build(list(req.tools or []), choice, req.parallel_tool_calls, options)
 
 
-def _format_constraint(req: ResponsesRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+def _format_constraint(req: ResponsesRequest) -> Constraint | None:
     fmt = req.text_format()
     if isinstance(fmt, TextFormatJSONObject):
-        return StructuredOutputsParams(json_object=True), "text.format"
+        return Constraint(StructuredOutputsParams(json_object=True), "text.format")
     if isinstance(fmt, TextFormatJSONSchema):
-        return StructuredOutputsParams(json=fmt.schema_), "text.format"
-    return None, None
+        return Constraint(StructuredOutputsParams(json=fmt.schema_), "text.format")
+    return None
 
 
 class _Turn:
@@ -235,8 +239,8 @@ class _Turn:
         items: list[dict] = []
         reasoning = None
         if self.reasoning is not None:
-            reasoning, text = self.reasoning().parse(text)
-            text = text or ""
+            reasoning, content_text = self.reasoning().parse(text)
+            text = content_text or ""
         if reasoning:
             items.append(_reasoning_item(_new_id("rs"), reasoning, "completed"))
         content, calls = self.plan.parse(text)
@@ -249,7 +253,7 @@ class _Turn:
         return items, reasoning or ""
 
     # -- streamed -----------------------------------------------------------------------------------
-    async def events(self, outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[str]:
+    async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[str, None]:
         """The server-sent events of the response; a failure ends them with ``response.failed``."""
         stream = _EventStream()
         yield stream.event("response.created", response=self.head())
@@ -351,10 +355,11 @@ class _EventStream:
     def delta(self, delta: StreamDelta) -> Iterator[str]:
         if delta.content:
             yield from self._close_reasoning()
-            if self.message_at is None:
-                yield from self._open_message()
+            at = self.message_at
+            if at is None:
+                at = yield from self._open_message()
             self.text += delta.content
-            yield self.event("response.output_text.delta", **self._where(self.message_at), content_index=0,
+            yield self.event("response.output_text.delta", **self._where(at), content_index=0,
                              delta=delta.content, logprobs=[])
         for d in delta.tool_calls:
             yield from self._close_reasoning()
@@ -370,11 +375,13 @@ class _EventStream:
                 self.output[at]["arguments"] += d.arguments
                 yield self.event("response.function_call_arguments.delta", **self._where(at), delta=d.arguments)
 
-    def _open_message(self) -> Iterator[str]:
+    def _open_message(self) -> Generator[str, None, int]:
+        """The events that open the message item; returns its output index."""
         self.message_at, added = self._add(_message_item(_new_id("msg"), None, "in_progress"))
         yield added
         yield self.event("response.content_part.added", **self._where(self.message_at), content_index=0,
                          part={"type": "output_text", "text": "", "annotations": []})
+        return self.message_at
 
     def _close_call(self, status: str) -> Iterator[str]:
         at, self.open_call = self.open_call, None

@@ -19,7 +19,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -47,13 +47,13 @@ class FunctionDef(_Body):
             raise ValueError(f"function name {v!r} must be 1 to 64 letters, digits, underscores or dashes")
         return v
 
-    def schema(self) -> dict:
+    def arguments_schema(self) -> dict:
         return self.parameters if self.parameters is not None else {"type": "object"}
 
     def template_dict(self) -> dict:
         """The chat template's (and OpenAI's) ``{"type": "function", "function": {...}}`` entry."""
         fn = {"name": self.name} | ({"description": self.description} if self.description is not None else {})
-        return {"type": "function", "function": fn | {"parameters": self.schema()}}
+        return {"type": "function", "function": fn | {"parameters": self.arguments_schema()}}
 
 
 class ChatTool(_Body):
@@ -104,7 +104,7 @@ class ToolPlan:
     parser: type[ToolParser] | None = None  # auto's parser
 
     @classmethod
-    def build(cls, functions: list[FunctionDef] | None, tool_choice: Any, parallel_tool_calls: bool | None,
+    def build(cls, functions: list[FunctionDef] | None, tool_choice: str | None, parallel_tool_calls: bool | None,
               options: ToolOptions, *, field: str = "tool_choice") -> ToolPlan:
         """``tool_choice``: None, ``"none" | "auto" | "required"``, or a function's name (callers unwrap
         their API's named-choice object). ``APIError`` 400 naming the field on a bad combination."""
@@ -121,7 +121,7 @@ class ToolPlan:
         if tool_choice == "none":
             return cls("none", functions, parallel=parallel)
         if tool_choice == "auto":
-            if not options.enable_auto_tool_choice:
+            if not options.enable_auto_tool_choice or options.tool_call_parser is None:
                 raise APIError(400, f'{field}: "auto" tool choice requires the server to run with '
                                     "--enable-auto-tool-choice and --tool-call-parser", field)
             return cls("auto", functions, parallel=parallel, parser=get_tool_parser(options.tool_call_parser))
@@ -141,17 +141,24 @@ class ToolPlan:
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured-output constraint that makes ``required`` and named choices parse."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self._function(self.name).schema())
+            return StructuredOutputsParams(json=self._named().arguments_schema())
         if self.mode != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
-                                                   "parameters": f.schema()},
+                                                   "parameters": f.arguments_schema()},
                   "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         return StructuredOutputsParams(json=array | ({} if self.parallel else {"maxItems": 1}))
 
-    def _function(self, name: str) -> FunctionDef:
-        return next(f for f in self.functions if f.name == name)
+    def _named(self) -> FunctionDef:
+        """The named choice's function (``build`` checked that it is one of the tools)."""
+        return next(f for f in self.functions if f.name == self.name)
+
+    def new_parser(self) -> ToolParser:
+        """A fresh instance of auto's parser (``build`` gives every auto plan one)."""
+        if self.parser is None:
+            raise ValueError(f"a {self.mode!r} tool choice has no tool-call parser")
+        return self.parser()
 
     # -- the output -----------------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:
@@ -161,11 +168,11 @@ class ToolPlan:
             return text, []
         if self.mode == "named":
             args = _json_or_none(text)
-            return (None, [FunctionCall(self.name, text.strip())]) if isinstance(args, dict) else (text, [])
+            return (None, [FunctionCall(self._named().name, text.strip())]) if isinstance(args, dict) else (text, [])
         if self.mode == "required":
             calls = _required_calls(_json_or_none(text))
             return (None, calls) if calls else (text, [])
-        parsed = self.parser().parse(text)
+        parsed = self.new_parser().parse(text)
         calls = parsed.calls if self.parallel else parsed.calls[:1]
         return (parsed.content if calls else text), calls
 
@@ -179,7 +186,7 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.parser = plan.parser() if plan.mode == "auto" else None
+        self.parser = plan.new_parser() if plan.mode == "auto" else None
         self.buf = ""  # required: the JSON array so far
         self.pos = 0  # required: where the next element may start
         self.calls = 0  # calls streamed so far
@@ -188,7 +195,7 @@ class ToolStream:
         mode = self.plan.mode
         if mode == "none":
             return StreamDelta(content=text)
-        if mode == "auto":
+        if self.parser is not None:  # auto
             return self._limit(self.parser.feed(text))
         if mode == "named":  # the output IS the arguments: stream it as they come
             out = StreamDelta()
@@ -202,7 +209,7 @@ class ToolStream:
         return self._required_elements()
 
     def finish(self) -> StreamDelta:
-        if self.plan.mode == "auto":
+        if self.parser is not None:  # auto
             return self._limit(self.parser.finish())
         return StreamDelta()
 
@@ -233,14 +240,14 @@ class ToolStream:
                 self.calls += 1
 
 
-def _json_or_none(text: str) -> Any:
+def _json_or_none(text: str) -> object:
     try:
         return json.loads(text)
     except ValueError:
         return None
 
 
-def _required_calls(value: Any) -> list[FunctionCall]:
+def _required_calls(value: object) -> list[FunctionCall]:
     """The calls of a ``required`` output (a list of ``{"name", "parameters"}``); [] if it is not one."""
     if not isinstance(value, list) or not value:
         return []

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator
 from kvforge.config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.request_streams import RequestStreams, StreamingFront
+from kvforge.engine.stats import EngineStats
 from kvforge.engine.watchdog import IDLE_BEAT_S, StepWatchdog
 from kvforge.errors import EngineDeadError, RequestFailedError, RequestFailure, is_device_error
 from kvforge.outputs import RequestOutput
@@ -87,7 +88,7 @@ class AsyncLLMEngine(StreamingFront):
             raise ValueError("structured outputs need a tokenizer, and this model has none")
         self.engine.structured_outputs.check(so)
 
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self) -> EngineStats:
         """A snapshot of engine counters (read without stopping the loop: values may be a step old)."""
         return self.engine.get_stats()
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from kvforge.config import EngineConfig
+    from kvforge.engine.stats import EngineStats
     from kvforge.lora.request import LoRARequest
     from kvforge.model.loader import ModelSource
     from kvforge.outputs import RequestOutput
@@ -74,7 +75,7 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """Abort a request; finished and unknown ids are ignored."""
 
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self) -> EngineStats:
         """Counters and gauges for ``/metrics`` (blocking: call from a worker thread)."""
         ...
 

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Protocol, TypeVar, cast
 
 from kvforge.config import EngineConfig
 from kvforge.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvforge.engine.stats import COUNT_KEYS, EngineStats
+from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
-from kvforge.sampling_params import SamplingParams
+from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 logger = logging.getLogger(__name__)
+
+#: a prompt as the front ends take it (``EngineClient.add_request``)
+Prompt = str | list[int] | dict
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 #: seconds between the health checks of the replicas
 HEALTH_PERIOD_S = 1.0
@@ -31,38 +41,71 @@ class ReplicaActor:
         self.engine = AsyncLLMEngine.from_config(config, step_timeout_s=step_timeout_s)
         self.engine.start()
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, int]:
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int,
-                       lora_request: Any = None):
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         async for out in self.engine.generate(prompt, params, request_id, priority, lora_request=lora_request):
             yield out
 
-    def add_lora(self, lora_request: Any) -> bool:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.engine.add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.engine.remove_lora(lora_int_id)
 
-    def list_loras(self) -> list:
+    def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.get_stats()
 
     def check(self) -> None:
         if self.engine.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.engine.error!r}")
 
-    def check_structured_outputs(self, so: Any) -> None:
+    def check_structured_outputs(self, so: StructuredOutputsParams) -> None:
         self.engine.check_structured_outputs(so)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+# What a ReplicaActor's Ray handle offers: each method's ``.remote(...)`` returns a reference to its result
+# (Ray types a handle's methods only for actors decorated with ``ray.method``, which would import Ray here).
+class _Remote(Protocol[R_co]):
+    def remote(self, *args: object) -> ObjectRef[R_co]: ...
+
+
+class _OutputRefs(Protocol):
+    """Ray's ``ObjectRefGenerator`` of a streaming call: each item a reference to the next output."""
+
+    def __anext__(self) -> Awaitable[ObjectRef[RequestOutput]]: ...
+
+
+class _StreamingCall(Protocol):
+    def remote(self, *args: object) -> _OutputRefs: ...
+
+
+class _StreamingMethod(Protocol):
+    def options(self, *, num_returns: str) -> _StreamingCall: ...
+
+
+class _ReplicaHandle(Protocol):
+    info: _Remote[dict[str, int]]
+    generate: _StreamingMethod
+    add_lora: _Remote[bool]
+    remove_lora: _Remote[bool]
+    list_loras: _Remote[list[LoRARequest]]
+    abort: _Remote[None]
+    stats: _Remote[EngineStats]
+    check: _Remote[None]
+    check_structured_outputs: _Remote[None]
+    shutdown: _Remote[None]
 
 
 class DataParallelEngine:
@@ -91,7 +134,7 @@ class DataParallelEngine:
                                         device="cuda" if cuda else config.device)
         actor = ray.remote(ReplicaActor).options(num_gpus=per_replica if cuda else 0, num_cpus=0 if cuda else 1,
                                                  max_concurrency=1000)
-        self.replicas = [actor.remote(replica_config, step_timeout_s) for _ in range(size)]
+        self.replicas = [cast(_ReplicaHandle, actor.remote(replica_config, step_timeout_s)) for _ in range(size)]
         try:
             infos = ray.get([r.info.remote() for r in self.replicas])
         except Exception as exc:
@@ -110,48 +153,40 @@ class DataParallelEngine:
     def is_running(self) -> bool:
         return self._running and self.error is None
 
-    def check_structured_outputs(self, so: Any) -> None:
+    def check_structured_outputs(self, so: StructuredOutputsParams) -> None:
+        self._results([self.replicas[0].check_structured_outputs.remote(so)])
+
+    def _results(self, refs: list[ObjectRef[R]]) -> list[R]:
+        """The replicas' answers, with a replica's error re-raised as itself."""
         try:
-            self._ray.get(self.replicas[0].check_structured_outputs.remote(so))
+            return self._ray.get(refs)
         except self._ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
 
-    def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
-        try:
-            return self._ray.get([getattr(r, method).remote(*args) for r in self.replicas])
-        except self._ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-
-    def add_lora(self, lora_request: Any) -> bool:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter on every replica; ``ValueError`` if it is bad."""
-        return any(self._on_every_replica("add_lora", lora_request))
+        return any(self._results([r.add_lora.remote(lora_request) for r in self.replicas]))
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return any(self._on_every_replica("remove_lora", lora_int_id))
+        return any(self._results([r.remove_lora.remote(lora_int_id) for r in self.replicas]))
 
-    def list_loras(self) -> list:
-        return self._on_every_replica("list_loras")[0]
+    def list_loras(self) -> list[LoRARequest]:
+        return self._results([r.list_loras.remote() for r in self.replicas])[0]
 
-    def get_stats(self) -> dict[str, Any]:
-        """The replicas' counters added up (usage: their mean), plus each replica's routed requests."""
+    def get_stats(self) -> EngineStats:
+        """The replicas' counters added up (usage: their mean; the speculative-decoding stats: the first
+        replica's), every replica's ranks in turn, plus each replica's routed requests."""
         parts = self._ray.get([r.stats.remote() for r in self.replicas], timeout=10)
-        total: dict[str, Any] = {}
-        for key, value in parts[0].items():
-            values = [p[key] for p in parts]
-            if key == "kv_cache_usage":
-                total[key] = sum(values) / len(values)
-            elif key == "waiting_by_priority":
-                merged: dict[int, int] = {}
-                for v in values:
-                    for prio, n in v.items():
-                        merged[prio] = merged.get(prio, 0) + n
-                total[key] = merged
-            elif key == "rank_batch_requests":
-                total[key] = [n for v in values for n in v]
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                total[key] = sum(values)
-            else:
-                total[key] = value
+        total = parts[0].copy()
+        for key in COUNT_KEYS:
+            total[key] = sum(p[key] for p in parts)
+        total["kv_cache_usage"] = sum(p["kv_cache_usage"] for p in parts) / len(parts)
+        merged: dict[int, int] = {}
+        for p in parts:
+            for prio, n in p["waiting_by_priority"].items():
+                merged[prio] = merged.get(prio, 0) + n
+        total["waiting_by_priority"] = merged
+        total["rank_batch_requests"] = [n for p in parts for n in p["rank_batch_requests"]]
         total["data_parallel_routed"] = list(self.routed)
         return total
 
@@ -185,8 +220,8 @@ class DataParallelEngine:
             ray.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
-    async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                          priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+    async def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Send the request to the least busy replica; ``ValueError`` naming the field for bad input
         (the replica validates it, and its first answer is awaited here)."""
         if self.error is not None:
@@ -203,12 +238,12 @@ class DataParallelEngine:
             raise
         return self._stream(i, request_id, gen, first)
 
-    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                       priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         async for out in await self.add_request(prompt, params, request_id, priority, lora_request):
             yield out
 
-    async def _next(self, gen: Any) -> RequestOutput | None:
+    async def _next(self, gen: _OutputRefs) -> RequestOutput | None:
         """The generator's next output (None at its end), with a replica's error re-raised as itself."""
         try:
             ref = await gen.__anext__()
@@ -218,7 +253,7 @@ class DataParallelEngine:
         except self._ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
 
-    async def _stream(self, i: int, request_id: str, gen: Any, first: RequestOutput | None
+    async def _stream(self, i: int, request_id: str, gen: _OutputRefs, first: RequestOutput | None
                       ) -> AsyncIterator[RequestOutput]:
         out, finished = first, False
         try:

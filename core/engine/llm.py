@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+from typing_extensions import TypeIs
 
 from kvforge.config import EngineConfig
 from kvforge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
+from kvforge.rank.messages import StartProfile, StopProfile
 from kvforge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int] | dict
 
@@ -55,7 +61,7 @@ class LLM:
         """Start a ``torch.profiler`` trace on every rank (vLLM's ``LLM.start_profile``)."""
         if self._profiling:
             raise RuntimeError("a profile is already running: call stop_profile() first")
-        self.llm_engine.executor.collective_rpc("start_profile")
+        self.llm_engine.executor.call(StartProfile())
         self._profiling = True
 
     def stop_profile(self, trace_dir: str | None = None) -> list[str]:
@@ -64,7 +70,7 @@ class LLM:
         if not self._profiling:
             raise RuntimeError("stop_profile() without start_profile()")
         self._profiling = False
-        return self.llm_engine.executor.collective_rpc("stop_profile", trace_dir)
+        return self.llm_engine.executor.call(StopProfile(trace_dir))
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register an adapter ahead of its prompts (``ValueError`` if it is bad); False if it already is."""
@@ -76,7 +82,7 @@ class LLM:
     def list_loras(self) -> list[LoRARequest]:
         return self.llm_engine.list_loras()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
@@ -128,13 +134,15 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat: this model has no tokenizer")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _is_one_conversation(messages) else messages
         prompts = []
         for conv in conversations:
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError("messages: each conversation must be a non-empty list of {role, content} dicts")
             text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template)
+            if not isinstance(text, str):  # tokenize=False renders text
+                raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
@@ -178,7 +186,16 @@ class LLM:
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt (a string, a dict, or a list of token ids) or a sequence of them, as a list."""
-    if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
         return [prompts]
     return list(prompts)
+
+
+def _is_one_conversation(messages: list[dict] | list[list[dict]]) -> TypeIs[list[dict]]:
+    """Messages (dicts), not a list of conversations."""
+    return bool(messages) and isinstance(messages[0], dict)
+
+
+def _is_token_ids(prompts: Prompt | Sequence[Prompt]) -> TypeIs[list[int]]:
+    """A non-empty list of ints: one prompt of token ids (not a list of prompts)."""
+    return isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)

@@ -18,11 +18,13 @@ has not got them yet (:class:`PromptSent` keeps that on the core's side) and the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
 from kvforge.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
+    from kvforge.engine.client import EngineClient
+    from kvforge.engine.stats import EngineStats
     from kvforge.errors import RequestFailure
     from kvforge.lora.request import LoRARequest
     from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
@@ -54,7 +56,7 @@ class Stop:
 # the calls: each names what it runs on the engine (an ``EngineClient``), and nothing else can be called
 @dataclass(frozen=True, slots=True)
 class GetStats:
-    def apply(self, engine: Any) -> dict[str, Any]:
+    def apply(self, engine: EngineClient) -> EngineStats:
         return engine.get_stats()
 
 
@@ -62,7 +64,7 @@ class GetStats:
 class CheckStructuredOutputs:
     constraint: StructuredOutputsParams
 
-    def apply(self, engine: Any) -> None:
+    def apply(self, engine: EngineClient) -> None:
         engine.check_structured_outputs(self.constraint)
 
 
@@ -70,7 +72,7 @@ class CheckStructuredOutputs:
 class AddLora:
     lora_request: LoRARequest
 
-    def apply(self, engine: Any) -> bool:
+    def apply(self, engine: EngineClient) -> bool:
         return engine.add_lora(self.lora_request)
 
 
@@ -78,13 +80,13 @@ class AddLora:
 class RemoveLora:
     lora_int_id: int
 
-    def apply(self, engine: Any) -> bool:
+    def apply(self, engine: EngineClient) -> bool:
         return engine.remove_lora(self.lora_int_id)
 
 
 @dataclass(frozen=True, slots=True)
 class ListLoras:
-    def apply(self, engine: Any) -> list:
+    def apply(self, engine: EngineClient) -> list[LoRARequest]:
         return engine.list_loras()
 
 
@@ -153,7 +155,13 @@ class StepOutputs:
 class CallReply:
     call_id: int
     ok: bool
-    value: Any  # the call's result, or the exception it raised
+    value: object  # the call's result, or (not ok) the exception it raised
+
+    @property
+    def error(self) -> BaseException:
+        """The exception a failed call raised."""
+        value = self.value
+        return value if isinstance(value, BaseException) else RuntimeError(f"the engine call failed: {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ from kvforge.engine.messages import (
     Stop,
 )
 from kvforge.engine.request_streams import RequestStreams, StreamingFront
+from kvforge.engine.stats import EngineStats
 from kvforge.engine.watchdog import StepWatchdog
 from kvforge.errors import EngineDeadError
 from kvforge.lora.request import LoRARequest
@@ -170,7 +171,7 @@ class EngineProcessClient(StreamingFront):
         """Compile a constraint in the engine (cached there); ``ValueError`` if it is invalid."""
         self._call(CheckStructuredOutputs(so))
 
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self) -> EngineStats:
         return self._call(GetStats())
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -285,7 +286,7 @@ class EngineProcessClient(StreamingFront):
                 if future is not None and msg.ok:
                     future.set_result(msg.value)
                 elif future is not None:
-                    future.set_exception(msg.value)
+                    future.set_exception(msg.error)
             elif isinstance(msg, Dead):
                 error = RuntimeError(msg.message)
         self._die(error)

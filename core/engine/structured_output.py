@@ -26,11 +26,17 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from kvforge.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+
+    from kvforge.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ def xgrammar_message(exc: BaseException) -> str:
     return _XGRAMMAR_PREFIX.sub("", str(exc)).strip()
 
 
-def check_local_refs(schema: Any) -> None:
+def check_local_refs(schema: object) -> None:
     """``ValueError`` if a ``$ref`` anywhere in ``schema`` is not a pointer into the schema itself (``#`` or
     ``#/...``): xgrammar resolves no other, and compiles such a reference to "any JSON" with only a warning.
 
@@ -58,7 +64,7 @@ def check_local_refs(schema: Any) -> None:
     (``const``, ``enum``...) are skipped, as a ``$ref`` key there is data.
     """
     # (node, its path as a linked list (parent path, key) built only for the message, is a map of schemas)
-    stack: list[tuple[Any, tuple | None, bool]] = [(schema, None, False)]
+    stack: list[tuple[object, tuple | None, bool]] = [(schema, None, False)]
     while stack:
         node, path, is_map = stack.pop()
         if isinstance(node, list):
@@ -87,11 +93,12 @@ def _pointer(path: tuple | None) -> str:
 class GrammarState:
     """One sequence's constraint: the compiled grammar (maybe still compiling) and its matcher."""
 
-    def __init__(self, future: Future, expire: Any = None, deadline: float = float("inf")):
+    def __init__(self, future: Future[CompiledGrammar], expire: Callable[[], None] | None = None,
+                 deadline: float = float("inf")):
         self.future = future
         self._expire = expire  # called once the deadline passed with the compilation still running
         self.deadline = deadline  # time.monotonic() by which the compilation must be done
-        self._matcher: Any = None
+        self._matcher: GrammarMatcher | None = None
         self.num_accepted = 0  # output tokens the matcher has accepted (the engine advances it)
 
     @property
@@ -113,7 +120,7 @@ class GrammarState:
         return str(self.future.exception())
 
     @property
-    def matcher(self) -> Any:
+    def matcher(self) -> GrammarMatcher:
         if self._matcher is None:
             import xgrammar as xgr
             self._matcher = xgr.GrammarMatcher(self.future.result())
@@ -135,7 +142,7 @@ class GrammarState:
             m.rollback(n)
         return n
 
-    def fill_bitmask(self, bitmask: Any, row: int, prefix: Sequence[int] = ()) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, prefix: Sequence[int] = ()) -> None:
         """Row ``row`` of ``bitmask``: the tokens allowed next, after ``prefix`` (drafts the grammar
         accepts, see :meth:`valid_prefix`); the state is left unchanged."""
         m = self.matcher
@@ -153,24 +160,24 @@ class GrammarState:
 class StructuredOutputManager:
     """Compiles constraints once (cached) on a background thread and hands out per-sequence states."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int], *,
                  timeout: float = 10.0, cache_size: int = 256):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.timeout = timeout
         self.cache_size = cache_size
-        self._compiler: Any = None
+        self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._abandoned: set[Future] = set()  # overrunning compilations still running
+        self._cache: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
+        self._abandoned: set[Future[CompiledGrammar]] = set()  # overrunning compilations still running
         self._pool = self._new_pool()
 
     @staticmethod
     def _new_pool() -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-grammar")
 
-    def _get_compiler(self) -> Any:
+    def _get_compiler(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 try:
@@ -182,7 +189,7 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
             return self._compiler
 
-    def _compile(self, so: StructuredOutputsParams) -> Any:
+    def _compile(self, so: StructuredOutputsParams) -> CompiledGrammar:
         compiler = self._get_compiler()
         try:
             if so.json is not None:
@@ -194,12 +201,14 @@ class StructuredOutputManager:
                 return compiler.compile_builtin_json_grammar()
             if so.regex is not None:
                 return compiler.compile_regex(so.regex)
+            if so.choice is None:  # StructuredOutputsParams holds exactly one constraint
+                raise ValueError("no constraint is set")
             alternatives = " | ".join(json.dumps(c) for c in so.choice)
             return compiler.compile_grammar(f"root ::= {alternatives}")
         except Exception as exc:
             raise ValueError(f"structured_outputs: invalid constraint: {xgrammar_message(exc)}") from exc
 
-    def _compile_checked(self, so: StructuredOutputsParams) -> Any:
+    def _compile_checked(self, so: StructuredOutputsParams) -> CompiledGrammar:
         """Compile, then refuse a constraint that admits no output at all (e.g. ``{"$ref": "#"}``, a
         schema that only refers to itself): every token would be masked and the request could not end."""
         import xgrammar as xgr
@@ -213,7 +222,7 @@ class StructuredOutputManager:
                              "to itself, or an empty language)")
         return grammar
 
-    def submit(self, so: StructuredOutputsParams) -> tuple[Future, float]:
+    def submit(self, so: StructuredOutputsParams) -> tuple[Future[CompiledGrammar], float]:
         """The (cached) compilation of a constraint and its deadline; compiles in the background on
         first sight. ``ValueError`` when too many overrunning compilations are still running."""
         key = so.key()
@@ -233,12 +242,12 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return fut, fut.deadline  # type: ignore[attr-defined]
 
-    def _expire(self, key: tuple, fut: Future) -> None:
+    def _expire(self, key: tuple, fut: Future[CompiledGrammar]) -> None:
         """A compilation overran its deadline: abandon its thread, remember the constraint as failed."""
         with self._lock:
             if fut.done() or self._cache.get(key) is not fut:
                 return
-            failed: Future = Future()
+            failed: Future[CompiledGrammar] = Future()
             failed.set_exception(ValueError(f"structured_outputs: compiling the constraint took longer than "
                                             f"{self.timeout} s; simplify it"))
             failed.deadline = float("inf")  # type: ignore[attr-defined]
@@ -248,7 +257,7 @@ class StructuredOutputManager:
         old.shutdown(wait=False, cancel_futures=False)  # queued compilations still run there
         logger.warning("structured outputs: a compilation overran %.1f s; its thread is abandoned", self.timeout)
 
-    def _current(self, key: tuple, fut: Future) -> Future:
+    def _current(self, key: tuple, fut: Future[CompiledGrammar]) -> Future[CompiledGrammar]:
         with self._lock:
             return self._cache.get(key, fut)
 
@@ -278,7 +287,8 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def grammar_bitmask_applier(requests: Sequence[Any], vocab_size: int, device: torch.device):
+def grammar_bitmask_applier(requests: Sequence[Request], vocab_size: int,
+                            device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """Fill the constrained rows' token bitmasks now; return ``f(logits) -> masked logits``."""
     import xgrammar as xgr
 

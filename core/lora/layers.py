@@ -16,12 +16,11 @@ Model files never see any of this: :func:`wrap_model` swaps the modules after lo
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from kvforge.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from kvforge.layers.linear import ColumnParallelLinear, RowParallelLinear
+from kvforge.layers.weights import ShardId
 from kvforge.lora.ops import LoRABatch, segmented_matmul, tile_capacity
 
 #: the fused module names the Llama family's layers use; a checkpoint module maps onto them by the
@@ -58,34 +57,39 @@ class LoRAContext:
 class LoRALinear(nn.Module):
     """A column- or row-parallel linear layer with per-slot LoRA weights."""
 
-    def __init__(self, base: LinearBase, ctx: LoRAContext, name: str):
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, ctx: LoRAContext, name: str):
         super().__init__()
         self.base, self.ctx, self.name = base, ctx, name
         self.row_parallel = isinstance(base, RowParallelLinear)
-        if self.row_parallel:
-            self.part_ids: list[Any] = [None]
-            self.out_slices = [(0, base.output_size, 0, base.output_size)]
-        else:  # (rows of B this rank keeps from the checkpoint part, where they go in the output)
-            self.part_ids, self.out_slices, offset = [], [], 0
+        self.part_ids: list[ShardId] = []
+        # (rows of B this rank keeps from the checkpoint part, where they go in the output)
+        self.out_slices: list[tuple[int, int, int, int]] = []
+        if isinstance(base, RowParallelLinear):
+            self.part_ids.append(None)
+            self.out_slices.append((0, base.output_size, 0, base.output_size))
+            in_features = base.count  # this rank's columns of A
+        else:
+            offset = 0
             for p in base.parts:
                 self.part_ids.append(p.shard_id)
                 self.out_slices.append((p.start, p.count, offset, p.full))
                 offset += p.count
+            in_features = base.input_size
         r = ctx.max_rank * len(self.part_ids)
         dtype, device = base.params_dtype, ctx.scratch.device
-        self.lora_a = torch.zeros(ctx.max_loras, r, base.input_size if not self.row_parallel else base.count,
-                                  dtype=dtype, device=device)
+        self.lora_a = torch.zeros(ctx.max_loras, r, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(ctx.max_loras, base.output_size, r, dtype=dtype, device=device)
 
     @property
     def in_full(self) -> int:
         return self.base.input_size
 
-    def slot_image(self, parts: dict[Any, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def slot_image(self, parts: dict[ShardId, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's padded (A, B) for one slot from an adapter's ``{part id: (A [r, in], B [out, r])}``
         (checkpoint shapes, scaled); parts the adapter does not adapt stay zero. ``ValueError`` on a
         shape that does not fit the layer."""
-        mr = self.ctx.max_rank
+        mr, base = self.ctx.max_rank, self.base
         a_img = torch.zeros(self.lora_a.shape[1:], dtype=self.lora_a.dtype)
         b_img = torch.zeros(self.lora_b.shape[1:], dtype=self.lora_b.dtype)
         for i, pid in enumerate(self.part_ids):
@@ -98,8 +102,8 @@ class LoRALinear(nn.Module):
                 raise ValueError(f"lora_request.lora_path: {self.name}{'' if pid is None else f'[{pid}]'}: lora_A "
                                  f"{tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the layer "
                                  f"({self.in_full} in, {full} out)")
-            if self.row_parallel:
-                a = a[:, self.base.start:self.base.start + self.base.count]
+            if isinstance(base, RowParallelLinear):
+                a = a[:, base.start:base.start + base.count]
             a_img[i * mr:i * mr + r] = a.to(a_img.dtype)
             b_img[dst:dst + count, i * mr:i * mr + r] = b[src:src + count].to(b_img.dtype)
         return a_img, b_img
@@ -111,16 +115,18 @@ class LoRALinear(nn.Module):
 
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows of slot s] += B_s (A_s x) for every slot s."""
-        ctx = self.ctx
+        ctx, batch = self.ctx, self.ctx.batch
+        if batch is None:  # NOTE: the worker sets the batch before the first step with adapters
+            raise RuntimeError(f"{self.name}: a LoRA step without the step's adapter rows")
         s = ctx.scratch[:x.shape[0], :self.lora_a.shape[1]]  # [T, parts * max_rank]
-        segmented_matmul(x, self.lora_a, ctx.batch, s, accumulate=False)
-        segmented_matmul(s, self.lora_b, ctx.batch, y, accumulate=True)
+        segmented_matmul(x, self.lora_a, batch, s, accumulate=False)
+        segmented_matmul(s, self.lora_b, batch, y, accumulate=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
         if not self.ctx.active:
             return base(x)
-        if not self.row_parallel:
+        if not isinstance(base, RowParallelLinear):
             y = base(x)
             self._delta(x, y)
             return y

@@ -12,18 +12,28 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
 
 from kvforge.errors import is_device_error
+from kvforge.layers.weights import ShardId
 from kvforge.lora.adapter import adapter_modules, load_adapter_tensors, read_adapter_config
 from kvforge.lora.layers import LoRAContext, LoRALinear, wrap_model
 from kvforge.lora.ops import LoRABatch, group_request_rows, tile_capacity, tile_grouping
 from kvforge.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class MapsCheckpointNames(Protocol):
+    """A model LoRA can adapt: it maps a checkpoint tensor's name to its parameter and part (the Llama
+    family's ``param_for``: ``q_proj.weight`` -> ``qkv_proj.weight``, part ``"q"``)."""
+
+    def param_for(self, name: str, w: torch.Tensor | None = None) -> tuple[str, ShardId]: ...
 
 
 class LoRAManager:
@@ -67,7 +77,7 @@ class LoRAManager:
         """(this rank's slot images by wrapped layer, the adapter's rank, its number of modules)."""
         cfg = read_adapter_config(path, self.max_lora_rank)
         modules = adapter_modules(load_adapter_tensors(path), cfg, self.num_layers)
-        by_layer: dict[str, dict] = {}
+        by_layer: dict[str, dict[ShardId, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, (a, b) in modules.items():
             layer_name, part = self._target(module, a)
             if layer_name is None:  # a layer of another pipeline stage
@@ -79,8 +89,11 @@ class LoRAManager:
             images[name] = (a_img.pin_memory(), b_img.pin_memory()) if self.pin else (a_img, b_img)
         return images, cfg.rank, len(modules)
 
-    def _target(self, module: str, a: torch.Tensor) -> tuple[str | None, object]:
+    def _target(self, module: str, a: torch.Tensor) -> tuple[str | None, ShardId]:
         """(wrapped layer name, part id) of a checkpoint module, or (None, None) off this stage."""
+        if not isinstance(self.model, MapsCheckpointNames):
+            raise ValueError(f"lora_request.lora_path: {type(self.model).__name__} does not map checkpoint names "
+                             "to its parameters (param_for), which LoRA needs")
         param, part = self.model.param_for(f"{module}.weight", a)
         layer_name = param.rsplit(".", 1)[0]
         if layer_name in self.layers:

@@ -6,9 +6,12 @@ verification in ``kvforge.spec_decode.rejection_sampler``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvforge.engine.stats import SpecDecodeSnapshot
 
 #: keys of ``speculative_config`` that the engine reads; the rest go to the drafter's options
 ENGINE_KEYS = ("method", "num_speculative_tokens", "policy", "knee_tokens")
@@ -203,7 +206,7 @@ class SpecDecodeStats:
         """Tokens per verifying step per request: 1 + accepted drafts on average."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> SpecDecodeSnapshot:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_by_position": list(self.accepted_by_position), "num_steps": self.num_steps,

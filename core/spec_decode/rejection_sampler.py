@@ -76,6 +76,10 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
         num_drafts = torch.full((B,), K, dtype=torch.long, device=dev)
         first_row = torch.arange(B, device=dev) * (K + 1)
         host_first = list(range(0, B * (K + 1), K + 1))
+    elif first_row is None:
+        raise ValueError("rejection_sample: num_drafts needs first_row (both None: a uniform batch)")
+    # None greedy: every row greedy (and then probs is None too)
+    probs, greedy = (target.probs, target.greedy) if target.greedy is not None else (None, None)
     pos = torch.arange(K, device=dev)
     valid = pos[None, :] < num_drafts[:, None]  # [B, K]
     rows = first_row[:, None] + pos[None, :]  # [B, K] the row that judges draft j
@@ -83,10 +87,11 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
     drafts = torch.where(valid, draft_tokens, 0)
     # a row with nothing to sample accepts no draft (its final token is then NO_TOKEN)
     greedy_match = (target.greedy_tokens[rows] == drafts) & target.sampleable[rows]  # [B, K]
-    if target.probs is None:
+    seeded: list[tuple[int, torch.Generator]] = []
+    if probs is None or greedy is None:
         accept = greedy_match
     else:
-        p = target.probs[rows, drafts]  # [B, K]
+        p = probs[rows, drafts]  # [B, K]
         q = (draft_probs.gather(2, drafts[:, :, None]).squeeze(2) if draft_probs is not None
              else torch.ones_like(p))
         u = torch.rand(B, K, device=dev)
@@ -94,14 +99,14 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
         for b, gen in seeded:
             u[b] = torch.rand(K, device=dev, generator=gen)
         # u < p / q, written without dividing: q > 0 wherever the draft was drawn from q
-        accept = torch.where(target.greedy[rows], greedy_match, u * q < p)
+        accept = torch.where(greedy[rows], greedy_match, u * q < p)
     accept &= valid
     run = accept.long().cumprod(dim=1)  # 1 while every draft so far was accepted
     num_accepted = run.sum(dim=1)
     last = first_row + num_accepted  # the row the final token comes from
     final = target.greedy_tokens[last]
-    if target.probs is not None:
-        dist = target.probs[last]  # [B, vocab]
+    if probs is not None and greedy is not None:
+        dist = probs[last]  # [B, vocab]
         rejected = num_accepted < num_drafts
         at = num_accepted.clamp(max=max(K - 1, 0))
         if K:
@@ -117,7 +122,7 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
         for b, gen in seeded:
             noise[b].exponential_(generator=gen)
         sampled = (dist / noise).argmax(dim=1)
-        final = torch.where(target.greedy[last], final, sampled)
+        final = torch.where(greedy[last], final, sampled)
     final = torch.where(target.sampleable[last], final, NO_TOKEN)
     tokens = torch.full((B, K + 1), NO_TOKEN, dtype=torch.long, device=dev)
     tokens[:, :K] = torch.where(run.bool(), drafts, NO_TOKEN)

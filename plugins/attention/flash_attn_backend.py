@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -61,8 +61,12 @@ from kvforge.attention import (
     AttentionLayer,
     AttentionMetadata,
     BatchLayout,
+    metadata_of,
 )
 from kvforge.plugins.attention.kv_write import write_kv
+
+#: a FlashAttention generation's paged attention function: the output (FA4: with the log-sum-exp)
+AttentionFunction = Callable[..., Union[torch.Tensor, tuple[torch.Tensor, ...]]]
 
 INSTALL_HINT = ("flash_attn is not installed: pip install flash-attn-4 (FlashAttention-4, Hopper/Blackwell) "
                 "or pip install flash-attn")
@@ -90,7 +94,7 @@ IMPLEMENTATIONS = {  # preference order for "auto"
 }
 
 
-def load_function(impl: str) -> Callable[..., Any] | None:
+def load_function(impl: str) -> AttentionFunction | None:
     """The implementation's attention function, or None if it does not import."""
     spec = IMPLEMENTATIONS[impl]
     try:
@@ -148,6 +152,11 @@ def cu_seqlens(lens: np.ndarray) -> np.ndarray:
     return cu
 
 
+@dataclass
+class FlashAttnMetadata(AttentionMetadata):
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32: FA2's paged varlen reads key lengths here
+
+
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     # what every implementation shares; block and head sizes depend on the one installed (validate)
@@ -194,11 +203,13 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self, *, implementation: str = "auto", **kwargs):
         impl, reasons = choose_implementation(implementation, device=kwargs["device"],
                                               head_size=kwargs["head_size"], block_size=kwargs["block_size"])
-        if reasons:
-            raise ValueError(f"attention backend 'flash_attn' cannot run this model: {'; '.join(reasons)}")
+        fn = load_function(impl) if impl is not None else None  # choose_implementation checked that it imports
+        if impl is None or fn is None:
+            raise ValueError(f"attention backend 'flash_attn' cannot run this model: "
+                             f"{'; '.join(reasons or [INSTALL_HINT])}")
         super().__init__(**kwargs)
         self.implementation = impl
-        self._fn = load_function(impl)
+        self._fn = fn
 
     def layer(self, index: int, *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
               sinks: torch.Tensor | None = None) -> AttentionLayer:
@@ -208,15 +219,15 @@ class FlashAttnBackend(AttentionBackend):
                              f"support in flash_attn {self.implementation} (FA4's learnable_sink only)")
         return super().layer(index, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
-    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        meta = super().build_metadata(layout)
+    def build_metadata(self, layout: BatchLayout) -> FlashAttnMetadata:
+        meta = FlashAttnMetadata(**self.layout_fields(layout))
         if self.implementation == "fa2":  # FA2's paged varlen reads key lengths from cu_seqlens_k
             t = torch.from_numpy(cu_seqlens(layout.seq_lens))
             cuda = self.device.type == "cuda"
-            meta.extra["cu_seqlens_k"] = (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
+            meta.cu_seqlens_k = (t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda)
         return meta
 
-    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+    def build_graph_metadata(self, layout: BatchLayout) -> FlashAttnMetadata:
         """Host bounds that hold for every replay: the longest context is the block table's width."""
         meta = self.build_metadata(layout)
         meta.max_seq_len = layout.block_tables.shape[1] * self.block_size
@@ -224,11 +235,13 @@ class FlashAttnBackend(AttentionBackend):
 
     def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
         super().update_graph_metadata(meta, layout)
-        if self.implementation == "fa2":
-            meta.extra["cu_seqlens_k"].copy_(torch.from_numpy(cu_seqlens(layout.seq_lens)), non_blocking=True)
+        cu = metadata_of(meta, FlashAttnMetadata).cu_seqlens_k  # FA2's only
+        if cu is not None:
+            cu.copy_(torch.from_numpy(cu_seqlens(layout.seq_lens)), non_blocking=True)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        meta = metadata_of(meta, FlashAttnMetadata)
         n = meta.num_tokens
         q = q[:n]
         # NOTE: every new K/V of the step is written before the kernel reads the cache; slot -1 (graph
@@ -245,16 +258,16 @@ class FlashAttnBackend(AttentionBackend):
                            cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
                            softmax_scale=self.scale, causal=True, **variant)
         else:
-            out = self._fn(q, k_cache, v_cache, meta.query_start_loc, meta.extra["cu_seqlens_k"],
+            out = self._fn(q, k_cache, v_cache, meta.query_start_loc, meta.cu_seqlens_k,
                            meta.max_query_len, meta.max_seq_len, softmax_scale=self.scale, causal=True,
                            block_table=meta.block_tables, **variant)
         return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
 
     @staticmethod
-    def _variant_kwargs(layer: AttentionLayer) -> dict[str, Any]:
+    def _variant_kwargs(layer: AttentionLayer) -> dict[str, object]:
         """The layer's window, soft cap and sinks as FlashAttention's keyword arguments (none for a
         plain layer). window_size is (left, right) keys around the query, both inclusive."""
-        kw: dict[str, Any] = {}
+        kw: dict[str, object] = {}
         if layer.sliding_window is not None:
             kw["window_size"] = (layer.sliding_window - 1, 0)
         if layer.logits_soft_cap is not None:

@@ -48,8 +48,10 @@ waited for by then), so the buffer is never rewritten under a queued copy. Index
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Protocol, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -61,10 +63,17 @@ from kvforge.attention import (
     AttentionLayer,
     AttentionMetadata,
     BatchLayout,
+    metadata_of,
 )
 from kvforge.plugins.attention.kv_write import write_kv
 
 INSTALL_HINT = "flashinfer is not installed: pip install flashinfer-python"
+W = TypeVar("W")
+
+
+def _import_flashinfer() -> ModuleType:
+    """The optional ``flashinfer`` package, imported by name (an ``ImportError`` when it is absent)."""
+    return importlib.import_module("flashinfer")
 
 
 # -- host-side planning (pure numpy, tested on the CPU) -------------------------------------------
@@ -125,14 +134,37 @@ Tokens = slice | torch.Tensor  # a contiguous run of the flat batch, or [n] int6
 PlanKey = tuple[int | None, float | None]  # AttentionLayer.plan_key: (sliding window, logits soft cap)
 
 
+class KVScaleArgs(TypedDict, total=False):
+    """``run()``'s FP8 cache scales (an FP8 cache's :class:`~kvforge.attention.KVScales`)."""
+
+    k_scale: float
+    v_scale: float
+
+
+class PagedWrapper(Protocol):
+    """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` / ``BatchDecodeWithPagedKVCacheWrapper`` as this
+    backend calls them (flashinfer 0.7; the library is optional, so its types are not imported)."""
+
+    def plan(self, *args: object, **kwargs: object) -> None: ...
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *,
+            out: torch.Tensor | None = None, k_scale: float = ..., v_scale: float = ...) -> torch.Tensor: ...
+
+
 @dataclass
 class FlashInferPlan:
-    """``meta.extra["flashinfer"]``: the flat-batch tokens each wrapper reads and writes this step
+    """``FlashInferMetadata.plan``: the flat-batch tokens each wrapper reads and writes this step
     (None: no such sequences), the same for every plan key. The plans themselves live in the wrappers."""
 
     step: int  # the backend's plan counter when this was built
     decode: Tokens | None
     prefill: Tokens | None
+
+
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    plan: FlashInferPlan | None = None  # an eager step's
+    graph_wrappers: dict[PlanKey, PagedWrapper] | None = None  # a captured decode step's, by plan key
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -170,7 +202,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
         try:
-            import flashinfer  # noqa: F401
+            _import_flashinfer()
         except ImportError as exc:
             if getattr(exc, "name", None) == "flashinfer":
                 return [INSTALL_HINT]
@@ -179,15 +211,13 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(self, *, workspace_mib: int = 128, decode_use_tensor_cores: bool = False, **kwargs):
         super().__init__(**kwargs)
-        import flashinfer
-
-        self._flashinfer = flashinfer
+        self._flashinfer = _import_flashinfer()
         self._use_tensor_cores = decode_use_tensor_cores
         # NOTE: FlashInfer wants the float workspace zeroed before its first use
         # NOTE: every wrapper shares the float workspace (split-KV partials): they run one after another
         self._workspace = torch.zeros(workspace_mib << 20, dtype=torch.uint8, device=self.device)
-        self._wrappers: dict[PlanKey, tuple[Any, Any]] = {}  # plan key -> its (prefill, decode) wrappers
-        self._graph_decode: dict[tuple[int, PlanKey], Any] = {}  # (captured batch size, plan key) -> wrapper
+        self._wrappers: dict[PlanKey, tuple[PagedWrapper, PagedWrapper]] = {}  # plan key -> (prefill, decode)
+        self._graph_decode: dict[tuple[int, PlanKey], PagedWrapper] = {}  # (captured batch size, plan key) -> wrapper
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's copies were queued
         self._step = 0
 
@@ -210,17 +240,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned.record()
 
     @staticmethod
-    def _variant_kwargs(key: PlanKey) -> dict[str, Any]:
+    def _variant_kwargs(key: PlanKey) -> dict[str, float]:
         """A plan key as plan()'s keyword arguments (none for plain attention: its plan is unchanged)."""
         window, cap = key
-        kw: dict[str, Any] = {}
+        kw: dict[str, float] = {}
         if window is not None:
             kw["window_left"] = window - 1
         if cap is not None:
             kw["logits_soft_cap"] = cap
         return kw
 
-    def _eager_wrappers(self, key: PlanKey) -> tuple[Any, Any]:
+    def _eager_wrappers(self, key: PlanKey) -> tuple[PagedWrapper, PagedWrapper]:
         """The (prefill, decode) wrappers of ``key``, made when the key is first planned."""
         pair = self._wrappers.get(key)
         if pair is None:
@@ -230,7 +260,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=self._use_tensor_cores))
         return pair
 
-    def _plan_decode(self, wrapper, key: PlanKey, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+    def _plan_decode(self, wrapper: PagedWrapper, key: PlanKey, seq_lens: np.ndarray,
+                     block_tables: np.ndarray) -> None:
         skip = window_skip_blocks(seq_lens, 1, key[0], self.block_size)
         indptr, indices, last = plan_paged_indices(seq_lens, block_tables, self.block_size, skip)
         # indptr and last_page_len on the host (plan reads them there), the indices on the device
@@ -238,7 +269,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                      self.num_kv_heads, self.head_size, self.block_size, sm_scale=self.scale,
                      q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype, **self._variant_kwargs(key))
 
-    def _plan_prefill(self, wrapper, key: PlanKey, qo_indptr: np.ndarray, seq_lens: np.ndarray,
+    def _plan_prefill(self, wrapper: PagedWrapper, key: PlanKey, qo_indptr: np.ndarray, seq_lens: np.ndarray,
                       query_lens: np.ndarray, block_tables: np.ndarray) -> None:
         skip = window_skip_blocks(seq_lens, query_lens, key[0], self.block_size)
         indptr, indices, last = plan_paged_indices(seq_lens, block_tables, self.block_size, skip)
@@ -248,17 +279,16 @@ class FlashInferAttentionBackend(AttentionBackend):
                      sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype,
                      **self._variant_kwargs(key))
 
-    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        meta = super().build_metadata(layout)
+    def build_metadata(self, layout: BatchLayout) -> FlashInferMetadata:
+        meta = FlashInferMetadata(**self.layout_fields(layout))
         self._step += 1
         qsl = layout.query_start_loc
         query_lens = layout.query_lens
         decode = np.flatnonzero(query_lens == 1)
         prefill = np.flatnonzero(query_lens > 1)
         plan = FlashInferPlan(self._step, None, None)
-        if len(prefill):
-            qo_indptr = np.zeros(len(prefill) + 1, dtype=np.int32)
-            np.cumsum(query_lens[prefill], out=qo_indptr[1:])
+        qo_indptr = np.zeros(len(prefill) + 1, dtype=np.int32)  # the prefill sequences' query offsets
+        np.cumsum(query_lens[prefill], out=qo_indptr[1:])
         self._before_plan()
         for key in self.plan_keys:  # one key (one plan per wrapper) unless the layers differ
             prefill_wrapper, decode_wrapper = self._eager_wrappers(key)
@@ -272,42 +302,47 @@ class FlashInferAttentionBackend(AttentionBackend):
         if len(prefill):
             plan.prefill = self._tokens(token_indices(qsl, prefill))
         self._after_plan()
-        meta.extra["flashinfer"] = plan
+        meta.plan = plan
         return meta
 
-    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+    def build_graph_metadata(self, layout: BatchLayout) -> FlashInferMetadata:
         """A decode graph of ``layout.num_seqs`` rows: a wrapper of its own per plan key, over fixed index
-        buffers (``meta.extra["flashinfer_graph"]``: {plan key: wrapper})."""
+        buffers (``meta.graph_wrappers``: {plan key: wrapper})."""
         n = layout.num_seqs
         if layout.num_tokens != n:
             raise ValueError("flashinfer: CUDA graphs of decode steps only (one query token per sequence)")
-        meta = AttentionBackend.build_metadata(self, layout)
-        wrappers = {}
+        fields = self.layout_fields(layout)
+        wrappers: dict[PlanKey, PagedWrapper] = {}
         for key in self.plan_keys:
             wrapper = self._graph_decode.get((n, key))
             if wrapper is None:
-                i32 = dict(dtype=torch.int32, device=self.device)
+                def index_buffer(size: int) -> torch.Tensor:
+                    return torch.zeros(size, dtype=torch.int32, device=self.device)
+
                 wrapper = self._graph_decode[n, key] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores,
-                    paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
-                    paged_kv_indices_buffer=torch.zeros(n * layout.block_tables.shape[1], **i32),
-                    paged_kv_last_page_len_buffer=torch.zeros(n, **i32))
+                    paged_kv_indptr_buffer=index_buffer(n + 1),
+                    paged_kv_indices_buffer=index_buffer(n * layout.block_tables.shape[1]),
+                    paged_kv_last_page_len_buffer=index_buffer(n))
             wrappers[key] = wrapper
-        meta.extra["flashinfer_graph"] = wrappers
-        self._replan_graph(meta, layout)
+        meta = FlashInferMetadata(**fields, graph_wrappers=wrappers)
+        self._replan_graph(wrappers, layout)
         return meta
 
     def update_graph_metadata(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
         super().update_graph_metadata(meta, layout)
-        self._replan_graph(meta, layout)
+        wrappers = metadata_of(meta, FlashInferMetadata).graph_wrappers
+        if wrappers is None:
+            raise ValueError("flashinfer: update_graph_metadata of metadata that build_graph_metadata did not make")
+        self._replan_graph(wrappers, layout)
 
-    def _replan_graph(self, meta: AttentionMetadata, layout: BatchLayout) -> None:
+    def _replan_graph(self, wrappers: dict[PlanKey, PagedWrapper], layout: BatchLayout) -> None:
         self._before_plan()
-        for key, wrapper in meta.extra["flashinfer_graph"].items():
+        for key, wrapper in wrappers.items():
             self._plan_decode(wrapper, key, layout.seq_lens, layout.block_tables)
         self._after_plan()
 
-    def _layer_wrapper(self, wrappers: dict[PlanKey, Any], layer: AttentionLayer):
+    def _layer_wrapper(self, wrappers: dict[PlanKey, W], layer: AttentionLayer) -> W:
         wrapper = wrappers.get(layer.plan_key)
         if wrapper is None:
             raise RuntimeError(f"flashinfer: no plan for layer {layer.index} (sliding window, soft cap) "
@@ -326,21 +361,21 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        meta = metadata_of(meta, FlashInferMetadata)
         n = meta.num_tokens
         q = q[:n].contiguous()
         # NOTE: every new K/V of the step is written before either wrapper reads the cache; slot -1
         # (graph padding) writes nothing
         scales = self.kv_scales(kv_cache)
         write_kv(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], None if scales is None else scales.tensor)
-        scale_kw = {} if scales is None else dict(k_scale=scales.k, v_scale=scales.v)
+        scale_kw: KVScaleArgs = {} if scales is None else {"k_scale": scales.k, "v_scale": scales.v}
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_size]
         out = torch.empty_like(q)
-        graph_wrappers = meta.extra.get("flashinfer_graph")
-        if graph_wrappers is not None:  # a captured decode step: every row is a decode
-            self._layer_wrapper(graph_wrappers, layer).run(q, (k_cache, v_cache), out=out, **scale_kw)
+        if meta.graph_wrappers is not None:  # a captured decode step: every row is a decode
+            self._layer_wrapper(meta.graph_wrappers, layer).run(q, (k_cache, v_cache), out=out, **scale_kw)
             return out
-        plan: FlashInferPlan = meta.extra["flashinfer"]
-        if plan.step != self._step:
+        plan = meta.plan
+        if plan is None or plan.step != self._step:
             raise RuntimeError("flashinfer: metadata from an earlier step; the wrappers hold one step's plan")
         prefill_wrapper, decode_wrapper = self._layer_wrapper(self._wrappers, layer)
         for wrapper, tokens in ((decode_wrapper, plan.decode), (prefill_wrapper, plan.prefill)):

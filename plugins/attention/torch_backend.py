@@ -9,6 +9,9 @@ An FP8 cache (``kv_cache_dtype``) is written as ``kv_write.quantize_kv`` stores 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,8 +24,33 @@ from kvforge.attention import (
     AttentionMetadata,
     BatchLayout,
     as_bytes,
+    metadata_of,
 )
 from kvforge.plugins.attention.kv_write import write_kv_torch
+
+
+class DecodeRows(NamedTuple):
+    """The step's decode sequences (one query token each), batched into one SDPA call."""
+
+    tokens: torch.Tensor | None  # [n] int64 token index of each; None when the step is decode-only (token i = seq i)
+    block_tables: torch.Tensor  # [n, max_len / block_size] int32
+    seq_lens: torch.Tensor  # [n] int64
+    max_len: int  # keys gathered per sequence (whole blocks)
+
+
+class PrefillChunk(NamedTuple):
+    """One prefill chunk, all host ints but its blocks: tokens ``start:end`` of the flat batch."""
+
+    start: int
+    end: int
+    context_len: int  # cached prefix + the chunk
+    blocks: torch.Tensor  # [ceil(context_len / block_size)] int32, its block ids
+
+
+@dataclass
+class TorchMetadata(AttentionMetadata):
+    decode: DecodeRows | None = None
+    prefill: list[PrefillChunk] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -38,8 +66,8 @@ class TorchAttentionBackend(AttentionBackend):
         auto_priority=10,
     )
 
-    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        meta = super().build_metadata(layout)
+    def build_metadata(self, layout: BatchLayout) -> TorchMetadata:
+        meta = TorchMetadata(**self.layout_fields(layout))
         query_lens = layout.query_lens
         decode = np.nonzero(query_lens == 1)[0]
         prefill = np.nonzero(query_lens > 1)[0]
@@ -48,23 +76,22 @@ class TorchAttentionBackend(AttentionBackend):
             dec_max_blocks = int(-(-layout.seq_lens[decode].max() // bs))
             dev = self.device
             all_decode = len(decode) == layout.num_seqs == layout.num_tokens
-            meta.extra["decode"] = (
-                # token index of each decode; None when the step is decode-only (token i = sequence i)
+            meta.decode = DecodeRows(
                 None if all_decode else torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(dev),
                 torch.from_numpy(np.ascontiguousarray(layout.block_tables[decode, :dec_max_blocks])).to(dev),
                 torch.from_numpy(layout.seq_lens[decode].astype(np.int64)).to(dev),
                 dec_max_blocks * bs,
             )
-        # (token start, token end, context length, block ids) per prefill chunk, all host ints
-        meta.extra["prefill"] = [
-            (int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1]), int(layout.seq_lens[i]),
-             meta.block_tables[i, : -(-int(layout.seq_lens[i]) // bs)])
+        meta.prefill = [
+            PrefillChunk(int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1]), int(layout.seq_lens[i]),
+                         meta.block_tables[i, : -(-int(layout.seq_lens[i]) // bs)])
             for i in prefill
         ]
         return meta
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, layer: AttentionLayer = PLAIN_LAYER):
         # q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size]
+        meta = metadata_of(meta, TorchMetadata)
         num_tokens = meta.num_tokens
         q, k, v = q[:num_tokens], k[:num_tokens], v[:num_tokens]
         hkv, d = self.num_kv_heads, self.head_size
@@ -86,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return x.to(acc)
             return x.view(self.kv_cache_dtype).to(acc) * scales[i]
 
-        decode = meta.extra.get("decode")
+        decode = meta.decode
         if decode is not None:
             tok_idx, tables, lens, max_len = decode
             n = tables.shape[0]
@@ -103,7 +130,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return o.squeeze(2).to(out.dtype)
             out[tok_idx] = o.squeeze(2).to(out.dtype)
 
-        for start, end, ctx_len, blocks in meta.extra["prefill"]:
+        for start, end, ctx_len, blocks in meta.prefill:
             q_len = end - start
             keys = pages(k_cache, blocks, 0).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
             vals = pages(v_cache, blocks, 1).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)

@@ -13,19 +13,20 @@ from torch import nn
 
 from kvforge.model.quantization import LinearMethod, QuantizationMethod, ignored
 from kvforge.plugins.quantization.int4 import AWQ_ORDER, Int4LinearMethod, check_group_size, group_dim, unpack_cols
+from kvforge.plugins.quantization.linear_layer import linear_layer
 
 
 class AwqLinear(Int4LinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
-        g = group_dim(self.group_size)
-        layer.qweight = layer.make_param((("in", 1), ("out", 8)), torch.int32)
-        layer.qzeros = layer.make_param((g, ("out", 8)), torch.int32)
-        layer.scales = layer.make_param((g, ("out", 1)))
+        linear, g = linear_layer(layer), group_dim(self.group_size)
+        layer.qweight = linear.make_param((("in", 1), ("out", 8)), torch.int32)
+        layer.qzeros = linear.make_param((g, ("out", 8)), torch.int32)
+        layer.scales = linear.make_param((g, ("out", 1)))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q = unpack_cols(layer.qweight.data, AWQ_ORDER)
-        zeros = unpack_cols(layer.qzeros.data, AWQ_ORDER).float()
-        self.finish(layer, q, layer.scales.data.float(), zeros)
+        q = unpack_cols(layer.get_parameter("qweight").data, AWQ_ORDER)
+        zeros = unpack_cols(layer.get_parameter("qzeros").data, AWQ_ORDER).float()
+        self.finish(layer, q, layer.get_parameter("scales").data.float(), zeros)
 
 
 class AwqQuantization(QuantizationMethod):

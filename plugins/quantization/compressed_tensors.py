@@ -16,14 +16,17 @@ naming the scheme.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from kvforge.layers.linear import ColumnParallelLinear, LinearBase
+from kvforge.layers.weights import ShardId, WeightLoader
 from kvforge.model.quantization import LinearMethod, QuantizationMethod
 from kvforge.plugins.quantization.fp8 import Fp8LinearMethod
 from kvforge.plugins.quantization.int4 import Int4LinearMethod, check_group_size, group_dim, unpack_cols, unpack_rows
+from kvforge.plugins.quantization.linear_layer import keep_when_random, linear_layer
 
 SUPPORTED = ("FP8 W8A8 (float-quantized: 8-bit float weights, per-channel or per-tensor, with dynamic per-token "
              "or static per-tensor 8-bit float activations) and INT4 W4A16 (pack-quantized: 4-bit int weights, "
@@ -44,30 +47,30 @@ class PackedInt4Linear(Int4LinearMethod):
         self.symmetric = symmetric
 
     def create_weights(self, layer: nn.Module) -> None:
-        g = group_dim(self.group_size)
-        layer.weight_packed = layer.make_param((("out", 1), ("in", 8)), torch.int32)
-        layer.weight_scale = layer.make_param((("out", 1), g))
+        linear, g = linear_layer(layer), group_dim(self.group_size)
+        layer.weight_packed = linear.make_param((("out", 1), ("in", 8)), torch.int32)
+        layer.weight_scale = linear.make_param((("out", 1), g))
         if not self.symmetric:
-            layer.weight_zero_point = layer.make_param((("out", 8), g), torch.int32)
-        layer.weight_shape = layer.make_param((2,), torch.int64, loader=self._shape_loader(layer))
-        layer.weight_shape.random_fill = False
+            layer.weight_zero_point = linear.make_param((("out", 8), g), torch.int32)
+        shape = layer.weight_shape = linear.make_param((2,), torch.int64, loader=self._shape_loader(linear))
+        keep_when_random(shape)
 
     @staticmethod
-    def _shape_loader(layer: nn.Module) -> Any:
-        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def _shape_loader(layer: LinearBase) -> WeightLoader:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
             """Checks the unpacked shape the checkpoint states (nothing to keep)."""
-            rows = layer.part_rows(shard_id) if hasattr(layer, "part_rows") else layer.output_size
+            rows = layer.part_rows(shard_id) if isinstance(layer, ColumnParallelLinear) else layer.output_size
             if loaded.tolist() != [rows, layer.input_size]:
                 raise ValueError(f"weight_shape is {loaded.tolist()}, expected {[rows, layer.input_size]}")
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q = unpack_cols(layer.weight_packed.data).t()  # [K, N], unsigned (signed + 8)
-        scales = layer.weight_scale.data.float().t()
+        q = unpack_cols(layer.get_parameter("weight_packed").data).t()  # [K, N], unsigned (signed + 8)
+        scales = layer.get_parameter("weight_scale").data.float().t()
         if self.symmetric:
             zeros = torch.full_like(scales, 8.0)
         else:
-            zeros = unpack_rows(layer.weight_zero_point.data).float().t()
+            zeros = unpack_rows(layer.get_parameter("weight_zero_point").data).float().t()
         self.finish(layer, q, scales, zeros)
 
 
@@ -90,7 +93,7 @@ class CompressedTensorsQuantization(QuantizationMethod):
             raise ValueError(f"quantization_config field 'sparsity_config' has format {sparsity['format']!r}: "
                              "sparse compressed-tensors checkpoints are not supported; supported: dense")
 
-    def _layer_method_factory(self, group: str, scheme: dict[str, Any]) -> Any:
+    def _layer_method_factory(self, group: str, scheme: dict[str, Any]) -> Callable[[], LinearMethod]:
         """Check one scheme; returns a function making its layer method."""
         w = scheme.get("weights") or {}
         a = scheme.get("input_activations")

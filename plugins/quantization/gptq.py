@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvforge.layers.linear import LinearBase
+from kvforge.layers.weights import ShardId, WeightLoader
 from kvforge.model.quantization import LinearMethod, QuantizationMethod
 from kvforge.plugins.quantization.int4 import Int4LinearMethod, check_group_size, group_dim, unpack_cols, unpack_rows
+from kvforge.plugins.quantization.linear_layer import keep_when_random, linear_layer
 
 
 class GptqLinear(Int4LinearMethod):
@@ -22,36 +25,39 @@ class GptqLinear(Int4LinearMethod):
         self.zero_offset = zero_offset
 
     def create_weights(self, layer: nn.Module) -> None:
-        g = group_dim(self.group_size)
-        layer.qweight = layer.make_param((("in", 8), ("out", 1)), torch.int32)
-        layer.qzeros = layer.make_param((g, ("out", 8)), torch.int32)
-        layer.scales = layer.make_param((g, ("out", 1)))
-        layer.g_idx = layer.make_param((("in", 1),), torch.int32, loader=self._g_idx_loader(layer))
-        layer.g_idx.data.copy_(self._groups(layer))
-        layer.g_idx.random_fill = False  # dummy weights keep the sequential groups
+        linear, g = linear_layer(layer), group_dim(self.group_size)
+        layer.qweight = linear.make_param((("in", 8), ("out", 1)), torch.int32)
+        layer.qzeros = linear.make_param((g, ("out", 8)), torch.int32)
+        layer.scales = linear.make_param((g, ("out", 1)))
+        g_idx = layer.g_idx = linear.make_param((("in", 1),), torch.int32, loader=self._g_idx_loader(linear))
+        g_idx.data.copy_(self._groups(linear, g_idx))
+        keep_when_random(g_idx)  # dummy weights keep the sequential groups
 
-    def _g_idx_loader(self, layer: nn.Module):
-        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def _g_idx_loader(self, layer: LinearBase) -> WeightLoader:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
             """Each part of a fused layer has a g_idx of its own: every one must be sequential."""
             layer.weight_loader(param, loaded, shard_id)
-            if not torch.equal(param.data, self._groups(layer)):
+            if not torch.equal(param.data, self._groups(layer, layer.get_parameter("g_idx"))):
                 raise ValueError("g_idx is not sequential (inputs reordered by act-order); only desc_act=false "
                                  "GPTQ checkpoints are supported")
         return load
 
-    def _groups(self, layer: nn.Module) -> torch.Tensor:
+    def _groups(self, layer: LinearBase, g_idx: torch.Tensor) -> torch.Tensor:
         """Each of this rank's inputs' group without act-order (a row-parallel rank starts at ``start``)."""
-        k = torch.arange(layer.g_idx.shape[0], dtype=torch.int32, device=layer.g_idx.device)
+        k = torch.arange(g_idx.shape[0], dtype=torch.int32, device=g_idx.device)
         if self.group_size == -1:
             return torch.zeros_like(k)
         return (k + getattr(layer, "start", 0)) // self.group_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if not torch.equal(layer.g_idx.data, self._groups(layer)):
-            raise ValueError(f"GPTQ checkpoint: g_idx of {type(layer).__name__} ({layer.output_size} outputs) is not "
-                             "sequential (inputs reordered by act-order); only desc_act=false checkpoints are supported")
-        zeros = unpack_cols(layer.qzeros.data).float() + self.zero_offset
-        self.finish(layer, unpack_rows(layer.qweight.data), layer.scales.data.float(), zeros)
+        linear, g_idx = linear_layer(layer), layer.get_parameter("g_idx")
+        if not torch.equal(g_idx.data, self._groups(linear, g_idx)):
+            raise ValueError(f"GPTQ checkpoint: g_idx of {type(layer).__name__} ({linear.output_size} outputs) "
+                             "is not sequential (inputs reordered by act-order); only desc_act=false checkpoints "
+                             "are supported")
+        zeros = unpack_cols(layer.get_parameter("qzeros").data).float() + self.zero_offset
+        self.finish(layer, unpack_rows(layer.get_parameter("qweight").data), layer.get_parameter("scales").data.float(),
+                    zeros)
 
 
 class GptqQuantization(QuantizationMethod):

@@ -11,36 +11,59 @@ some row in the step uses it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from kvforge.rank.input_buffers import h2d
 from kvforge.request import Request
-from kvforge.sampler import NO_TOKEN, Sampler
+from kvforge.sampler import NO_TOKEN, LogitsProcessor, Sampler
 from kvforge.spec_decode.rejection_sampler import TargetDistribution
 
 
 @dataclass
-class SamplingState:
-    temperature: torch.Tensor | None  # [rows] float32 (greedy rows set to 1)
-    greedy: torch.Tensor | None  # [rows] bool
-    all_greedy: bool
-    any_greedy: bool
+class Draw:
+    """How the step's rows draw (a step with any non-greedy row has one), per row on the device."""
+
+    temperature: torch.Tensor  # [rows] float32 (greedy rows set to 1)
+    greedy: torch.Tensor  # [rows] bool
     top_k: torch.Tensor | None = None  # [rows] int64, vocab size where disabled
     top_p: torch.Tensor | None = None  # [rows] float32
     min_p: torch.Tensor | None = None  # [rows] float32
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (row, generator)
+
+
+class Penalties(NamedTuple):
+    """The repetition, frequency and presence penalties' inputs (:meth:`DefaultSampler._penalty_tensors`)."""
+
+    counts: torch.Tensor  # [rows, vocab] float32, each token's count in the row's output
+    seen: torch.Tensor  # [rows, vocab] bool, in the output (or the prompt, for repetition-penalty rows)
+    presence: torch.Tensor  # [rows] float32
+    frequency: torch.Tensor  # [rows] float32
+    repetition: torch.Tensor  # [rows] float32
+
+
+@dataclass
+class SamplingState:
+    """One step's sampling parameters, gathered by :meth:`DefaultSampler.prepare`."""
+
+    any_greedy: bool
+    draw: Draw | None = None  # None: every row is greedy
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) forced to -inf
     allowed: torch.Tensor | None = None  # [rows, vocab] bool, True = allowed (None: all)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, values)
-    penalties: tuple | None = None  # see _penalty_tensors
-    grammar: Any = None  # callable(logits) applying structured-output bitmasks
-    processors: list[tuple[Any, torch.Tensor, list[Request]]] = field(default_factory=list)
+    penalties: Penalties | None = None
+    grammar: Callable[[torch.Tensor], torch.Tensor] | None = None  # applies the structured-output bitmasks
+    # (processor, its rows [n] int64, their requests)
+    processors: list[tuple[LogitsProcessor, torch.Tensor, list[Request]]] = field(default_factory=list)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.draw is None
 
 
-class DefaultSampler(Sampler):
+class DefaultSampler(Sampler[SamplingState]):
     name = "default"
 
     def __init__(self, **kwargs):
@@ -52,17 +75,16 @@ class DefaultSampler(Sampler):
         params = [r.sampling_params for r in requests]
         dev, vocab = self.device, self.vocab_size
         greedy = [p.temperature == 0.0 for p in params]
-        all_greedy = all(greedy)
-        st = SamplingState(None, None, all_greedy, any(greedy))
-        if not all_greedy:
-            st.temperature = h2d([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, dev)
-            st.greedy = h2d(greedy, torch.bool, dev)
+        st = SamplingState(any(greedy))
+        if not all(greedy):
+            temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+            draw = st.draw = Draw(h2d(temperature, torch.float32, dev), h2d(greedy, torch.bool, dev))
             if any(0 < p.top_k < vocab for p in params):
-                st.top_k = h2d([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
+                draw.top_k = h2d([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
             if any(p.top_p < 1.0 for p in params):
-                st.top_p = h2d([p.top_p for p in params], torch.float32, dev)
+                draw.top_p = h2d([p.top_p for p in params], torch.float32, dev)
             if any(p.min_p > 0.0 for p in params):
-                st.min_p = h2d([p.min_p for p in params], torch.float32, dev)
+                draw.min_p = h2d([p.min_p for p in params], torch.float32, dev)
             for row, req in enumerate(requests):
                 seed = req.sampling_params.seed
                 if seed is not None and not greedy[row]:
@@ -71,7 +93,7 @@ class DefaultSampler(Sampler):
                         gen = torch.Generator(device=dev)
                         gen.manual_seed(seed)
                         self.generators[req.request_id] = gen
-                    st.seeded.append((row, gen))
+                    draw.seeded.append((row, gen))
         self._masks(requests, st)
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
             st.penalties = self._penalty_tensors(requests)
@@ -122,7 +144,7 @@ class DefaultSampler(Sampler):
                 allowed[row, requests[row].sampling_params.allowed_token_ids] = True
             st.allowed = allowed.to(dev)
 
-    def _penalty_tensors(self, requests: Sequence[Request]) -> tuple:
+    def _penalty_tensors(self, requests: Sequence[Request]) -> Penalties:
         """Output-token counts [rows, vocab] and a prompt+output presence mask, from flat index lists."""
         dev, vocab = self.device, self.vocab_size
         params = [r.sampling_params for r in requests]
@@ -140,7 +162,7 @@ class DefaultSampler(Sampler):
             pi = np.fromiter((t for i in rows for t in requests[i].prompt_token_ids), dtype=np.int64, count=len(pr))
             seen[torch.from_numpy(pr).to(dev), torch.from_numpy(pi).to(dev)] = True
         f = lambda name: torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=dev)  # noqa
-        return counts, seen, f("presence_penalty"), f("frequency_penalty"), f("repetition_penalty")
+        return Penalties(counts, seen, f("presence_penalty"), f("frequency_penalty"), f("repetition_penalty"))
 
     # -- per step: sample -----------------------------------------------------------------------------
     def process(self, logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
@@ -165,41 +187,43 @@ class DefaultSampler(Sampler):
             logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
         return logits
 
-    def sample(self, logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
         # logits: [rows, vocab] float32
-        logits = self.process(logits, st)
+        logits = self.process(logits, state)
         # one reduction gives both the greedy tokens and the rows with nothing to sample: a row whose
         # every logit is -inf (its masks exclude the whole vocabulary) or holding a NaN (max propagates it)
         top, greedy_tokens = logits.max(dim=-1)
         sampleable = top > float("-inf")
-        if st.all_greedy:
+        draw = state.draw
+        if draw is None:  # every row is greedy
             return torch.where(sampleable, greedy_tokens, NO_TOKEN)
-        probs = self._probs(logits, st)
+        probs = self._probs(logits, draw)
         noise = torch.empty_like(probs).exponential_()
-        for row, gen in st.seeded:
+        for row, gen in draw.seeded:
             noise[row].exponential_(generator=gen)
         tokens = (probs / noise).argmax(dim=-1)
-        if st.any_greedy:
-            tokens = torch.where(st.greedy, greedy_tokens, tokens)
+        if state.any_greedy:
+            tokens = torch.where(draw.greedy, greedy_tokens, tokens)
         return torch.where(sampleable, tokens, NO_TOKEN)
 
-    def target(self, logits: torch.Tensor, st: SamplingState) -> TargetDistribution:
-        logits = self.process(logits, st)
+    def target(self, logits: torch.Tensor, state: SamplingState) -> TargetDistribution:
+        logits = self.process(logits, state)
         top, greedy_tokens = logits.max(dim=-1)
         target = TargetDistribution(greedy_tokens, top > float("-inf"))
-        if not st.all_greedy:
-            target.greedy, target.probs, target.generators = st.greedy, self._probs(logits, st), dict(st.seeded)
+        draw = state.draw
+        if draw is not None:
+            target.greedy, target.probs, target.generators = draw.greedy, self._probs(logits, draw), dict(draw.seeded)
         return target
 
     @staticmethod
-    def _probs(logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, draw: Draw) -> torch.Tensor:
         """Processed logits -> the distribution sampled rows draw from: temperature, top-k, top-p, min-p."""
-        logits = logits / st.temperature[:, None]
-        logits = apply_top_k_top_p(logits, st.top_k, st.top_p)
+        logits = logits / draw.temperature[:, None]
+        logits = apply_top_k_top_p(logits, draw.top_k, draw.top_p)
         probs = torch.softmax(logits, dim=-1)
-        if st.min_p is not None:
+        if draw.min_p is not None:
             top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < st.min_p[:, None] * top, 0.0)
+            probs = probs.masked_fill(probs < draw.min_p[:, None] * top, 0.0)
         return probs
 
     def reads_history(self, request: Request) -> bool:

@@ -32,7 +32,7 @@ class Llama3JsonToolParser(ToolParser):
         if not final:
             return [], 0
         calls = self._calls(text)
-        return (calls or [text]), len(text)
+        return ([*calls] if calls else [text]), len(text)
 
     def _calls(self, text: str) -> list[FunctionCall] | None:
         text = text.strip()
@@ -41,9 +41,11 @@ class Llama3JsonToolParser(ToolParser):
         while True:
             pos = _skip_space(text, pos)
             found = self._decode_at(text, pos)
-            if found is None or not isinstance(found[0], dict):
+            if found is None:
                 return None
             obj, pos = found
+            if not isinstance(obj, dict):
+                return None
             call = self._call(obj.get("name"), obj.get("parameters", obj.get("arguments")))
             if call is None:
                 return None

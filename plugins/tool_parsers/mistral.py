@@ -52,9 +52,11 @@ class MistralToolParser(ToolParser):
             if found is None:
                 return None
             value, end = found
-            calls = [self._call(o.get("name"), o.get("arguments")) if isinstance(o, dict) else None
-                     for o in value]  # a list: the JSON starts with "["
-            return (calls if calls and None not in calls else None), end
+            if not isinstance(value, list):  # never: the JSON starts with "["
+                return None, end
+            calls = [call for o in value if isinstance(o, dict)
+                     and (call := self._call(o.get("name"), o.get("arguments"))) is not None]
+            return (calls if calls and len(calls) == len(value) else None), end  # all or nothing
         args_at = text.find(ARGS, pos)  # the name[ARGS]{...} form
         if args_at < 0:
             return None

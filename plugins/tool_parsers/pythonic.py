@@ -31,7 +31,7 @@ class PythonicToolParser(ToolParser):
         if not final:
             return [], 0
         calls = self._calls(text)
-        return (calls or [text]), len(text)
+        return ([*calls] if calls else [text]), len(text)
 
     def _calls(self, text: str) -> list[FunctionCall] | None:
         text = text.strip()
@@ -43,8 +43,8 @@ class PythonicToolParser(ToolParser):
             return None
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
-        calls = [self._one_call(node) for node in tree.elts]
-        return None if None in calls else calls
+        calls = [call for node in tree.elts if (call := self._one_call(node)) is not None]
+        return calls if len(calls) == len(tree.elts) else None  # all or nothing
 
     def _one_call(self, node: ast.expr) -> FunctionCall | None:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:

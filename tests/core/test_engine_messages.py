@@ -8,6 +8,7 @@ import pytest
 from kvforge.engine.messages import (
     ENGINE_CALLS,
     AddLora,
+    CallReply,
     CheckStructuredOutputs,
     GetStats,
     ListLoras,
@@ -83,3 +84,10 @@ def test_each_call_runs_its_own_engine_method_and_nothing_else():
     with pytest.raises(ValueError, match="bad c"):
         CheckStructuredOutputs("c").apply(engine)
     assert set(ENGINE_CALLS) == {GetStats, CheckStructuredOutputs, AddLora, RemoveLora, ListLoras}
+
+
+def test_a_failed_call_s_reply_raises_an_exception_whatever_came_back():
+    error = ValueError("lora_request: bad")
+    assert CallReply(1, False, error).error is error
+    odd = CallReply(2, False, "not an exception").error
+    assert isinstance(odd, RuntimeError) and "not an exception" in str(odd)

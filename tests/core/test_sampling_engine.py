@@ -175,10 +175,10 @@ def _valid(obj):
 
 
 @pytest.mark.slow
-def test_json_schema_samples_all_validate():
+def test_json_schema_samples_all_validate(default_llm):
     from kvforge.sampling_params import StructuredOutputsParams as SO
 
-    llm = LLM(device="cpu")
+    llm = default_llm  # (seeded samples: what they are depends on the seeds, not on the engine's pool)
     msgs = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(20)]
     outs = llm.chat(msgs, [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=SO(json=SCHEMA))
                            for i in range(20)], use_tqdm=False)

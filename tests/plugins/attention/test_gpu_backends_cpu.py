@@ -358,13 +358,13 @@ def test_flashinfer_routes_tokens_by_query_length(fake_flashinfer):
     backend = FlashInferAttentionBackend(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4,
                                          dtype=torch.float32, device=torch.device("cpu"), workspace_mib=16)
     meta = backend.build_metadata(make_layout(INTERLEAVED, 4, np.random.default_rng(0)))
-    plan = meta.extra["flashinfer"]
+    plan = meta.plan
     assert plan.decode.tolist() == [0, 27, 28, 31]  # q_len 1 rows, interleaved: gathered
     assert plan.prefill.tolist() == list(range(1, 27)) + [29, 30]
     prefill, decode = backend._wrappers[None, None]
     assert decode.kv_lens == [22, 5, 34, 48] and prefill.kv_lens == [27, 19, 2]
     meta = backend.build_metadata(make_layout(DECODES_FIRST, 4, np.random.default_rng(0)))
-    assert (meta.extra["flashinfer"].decode, meta.extra["flashinfer"].prefill) == (slice(0, 3), slice(3, 29))
+    assert (meta.plan.decode, meta.plan.prefill) == (slice(0, 3), slice(3, 29))
     backend.build_metadata(make_layout(DECODES_FIRST, 4, np.random.default_rng(0)))  # the wrappers move on
     with pytest.raises(RuntimeError, match="earlier step"):
         backend.forward(*(torch.zeros(29, h, 64) for h in (8, 2, 2)), torch.zeros(2, NUM_BLOCKS, 4, 2, 64), meta)
@@ -446,7 +446,7 @@ def test_flashinfer_graph_wrappers_per_plan_key(fake_flashinfer):
                                                               [(0, 0), (0, 10 - x.block_tables.shape[1])]))
                    for x in (short, long))
     meta = fi.build_graph_metadata(short)
-    wrappers = meta.extra["flashinfer_graph"]
+    wrappers = meta.graph_wrappers
     assert list(wrappers) == [(6, None), (None, None)] and all(w.graph_rows == 3 for w in wrappers.values())
     fi.update_graph_metadata(meta, long)
     assert [w.plans for w in wrappers.values()] == [2, 2] and wrappers[6, None].window_left == 5
@@ -457,7 +457,7 @@ def test_flashinfer_graph_wrappers_per_plan_key(fake_flashinfer):
     for i in range(2):
         want = ref.forward(q, k, v, cache.clone(), ref_meta, ref.layers[i])
         torch.testing.assert_close(fi.forward(q, k, v, cache.clone(), meta, fi.layers[i]), want, rtol=2e-5, atol=2e-5)
-    assert fi.build_graph_metadata(long).extra["flashinfer_graph"] == wrappers  # same batch size: same wrappers
+    assert fi.build_graph_metadata(long).graph_wrappers == wrappers  # same batch size: same wrappers
 
 
 def test_flashinfer_declares_window_and_soft_cap_but_no_sinks(fake_flashinfer, no_cuda):

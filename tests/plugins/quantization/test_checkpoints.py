@@ -18,7 +18,7 @@ from kvforge.model.config import ModelConfig
 from kvforge.model.loader import default_model_path
 from kvforge.plugins.quantization import int4
 from kvforge.plugins.quantization.compressed_tensors import CompressedTensorsQuantization
-from quantization_accuracy import mean_kl, passage_logits, reference_greedy, top1_agreement
+from quantization_accuracy import mean_kl, passage_logits, top1_agreement
 from quantized_checkpoints import FORMATS, awq_pack, gptq_pack_cols, gptq_pack_rows, write_checkpoint
 
 #: bounds (measured values in docs/quantization.md): FP8 keeps ~0.02 nats; round-to-nearest INT4 with
@@ -84,7 +84,8 @@ def test_compressed_tensors_int4_unpacks_as_the_library_decompresses(symmetric, 
     library = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
     qc = json.loads(QuantizationConfig(config_groups={"g": scheme}, format="pack-quantized").model_dump_json())
     layer = _ct_layer(packed, qc, 40, 256)
-    ours = int4.dequantize(layer.qweight, layer.scales, layer.zeros, layer.group_size).t()
+    kernel = layer.quant_method.weights  # the layer's kernel layout (int4.Int4Weights)
+    ours = int4.dequantize(kernel.qweight, kernel.scales, kernel.zeros, kernel.group_size).t()
     torch.testing.assert_close(ours, library.float(), rtol=0, atol=1e-6)
     assert (ours - w).abs().max() > 1e-3  # really quantized
 
@@ -114,8 +115,8 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference_logits():
-    return passage_logits()[0]
+def reference_logits(float32_passage):
+    return float32_passage[0]  # conftest's: the float32 passage logits, computed once for the session
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "int4"])
@@ -127,8 +128,8 @@ def test_mean_kl_of_each_format_on_the_default_model_is_bounded(fmt, checkpoints
 
 
 @pytest.fixture(scope="module")
-def greedy():
-    return reference_greedy(LLM(**ENGINE))
+def greedy(float32_greedy):
+    return float32_greedy  # conftest's: reference_greedy on an engine built with ENGINE, generated once
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "ct-fp8"])

@@ -10,7 +10,7 @@ import torch
 from kvforge import LLM, quantization
 from kvforge.layers import ColumnParallelLinear, RowParallelLinear
 from kvforge.plugins.quantization.fp8 import FP8, Fp8Quantization, dequantize_rows, quantize_rows
-from quantization_accuracy import mean_kl, passage_logits, reference_greedy, top1_agreement
+from quantization_accuracy import mean_kl, passage_logits, top1_agreement
 
 #: bounds (docs/quantization.md): FP8 e4m3 with per-channel weight and per-token activation scales
 #: is known to stay within ~1e-2 nats of mean KL on small models; measured here: see the docs
@@ -52,8 +52,8 @@ def test_fp8_layers_apply_the_quantized_operands():
 
 
 @pytest.fixture(scope="module")
-def reference_logits():
-    return passage_logits()
+def reference_logits(float32_passage):
+    return float32_passage[:2]  # conftest's: the float32 passage logits and their count, computed once
 
 
 def test_fp8_weights_mean_kl_on_the_default_model_is_bounded(reference_logits):
@@ -63,11 +63,11 @@ def test_fp8_weights_mean_kl_on_the_default_model_is_bounded(reference_logits):
     assert n >= 1000 and 0 < kl < MAX_MEAN_KL
 
 
-def test_fp8_greedy_agreement_with_float32_over_8_prompts_x_64_tokens():
+def test_fp8_greedy_agreement_with_float32_over_8_prompts_x_64_tokens(float32_greedy):
     engine = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=64)
     fp8 = LLM(quantization="fp8", **engine)
     assert fp8.llm_engine.executor.driver.model.model.layers[0].mlp.down_proj.weight.dtype == FP8
-    share = top1_agreement(fp8, reference_greedy(LLM(**engine)))
+    share = top1_agreement(fp8, float32_greedy)  # (conftest's: reference_greedy of LLM(**engine), once)
     print(f"fp8 weights: greedy agreement {share:.3f}")
     assert share >= MIN_GREEDY_AGREEMENT
 

@@ -10,7 +10,7 @@ import torch
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
 from kvforge.model.loader import load_model_config, resolve_model_source
-from quantization_accuracy import mean_kl, passage_logits, reference_greedy, top1_agreement
+from quantization_accuracy import mean_kl, passage_logits, top1_agreement
 
 FP8 = torch.float8_e4m3fn
 #: bounds (docs/quantization.md#fp8-kv-cache). Measured on the default model: mean KL 0.0055 nats with
@@ -116,10 +116,9 @@ def test_prefix_cache_hit_on_fp8_blocks_gives_the_uncached_tokens(check_no_block
 
 # -- accuracy on the default model -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def reference():
-    """The float32 logits over the passage, and each layer's max |K|, |V| on it."""
-    amax: list[tuple[float, float]] = []
-    logits, _ = passage_logits(amax=amax)
+def reference(float32_passage):
+    """The float32 logits over the passage, and each layer's max |K|, |V| on it (conftest's, computed once)."""
+    logits, _, amax = float32_passage
     assert len(logits) >= 1000 and len(amax) == load_model_config(resolve_model_source(None)).num_hidden_layers
     return logits, amax
 
@@ -144,12 +143,13 @@ def test_a_wrong_scale_fails_the_kl_bound(reference):
 
 
 @pytest.mark.slow
-def test_fp8_kv_cache_greedy_agreement_with_float32_over_8_prompts_x_64_tokens():
-    """The float32 model generates greedily; the FP8-cache engine, fed each prefix (teacher-forced, as
-    one prefill that writes and reads the FP8 cache), ranks the same token first."""
+def test_fp8_kv_cache_greedy_agreement_with_float32_over_8_prompts_x_64_tokens(float32_greedy):
+    """The float32 model generates greedily (conftest's ``float32_greedy``: an engine built with ``engine``,
+    once for the session); the FP8-cache engine, fed each prefix (teacher-forced, as one prefill that
+    writes and reads the FP8 cache), ranks the same token first."""
     engine = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=64)
-    reference_llm, fp8 = LLM(**engine), LLM(kv_cache_dtype="fp8", **engine)
+    fp8 = LLM(kv_cache_dtype="fp8", **engine)
     assert fp8.llm_engine.executor.driver.kv_caches[0].dtype == FP8
-    share = top1_agreement(fp8, reference_greedy(reference_llm))
+    share = top1_agreement(fp8, float32_greedy)
     print(f"fp8 KV cache: greedy agreement {share:.3f}")
     assert share >= MIN_GREEDY_AGREEMENT

@@ -1,0 +1,55 @@
+"""``EngineStats``: what ``get_stats()`` returns (``EngineClient.get_stats``, ``LLMEngine.get_stats``), the
+counters and gauges ``/metrics`` exposes (``server/metrics.py``). A plain dict, so that it crosses process
+boundaries (the engine core process, Ray replicas) as it is; these types say which keys it holds.
+"""
+from __future__ import annotations
+
+from typing import Literal, TypedDict, get_args
+
+from typing_extensions import NotRequired  # typing's from Python 3.11
+
+
+class SpecDecodeSnapshot(TypedDict):
+    """Speculative decoding since start (``kvforge.spec_decode.policy.SpecDecodeStats.as_dict``)."""
+
+    num_drafts: int  # request-steps that verified drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_by_position: list[int]  # [k]: drafts accepted at position j
+    num_steps: int  # steps that verified drafts
+    num_steps_without: int  # decode steps left without drafts
+    acceptance_rate: float
+    mean_accepted_length: float
+
+
+class EngineStats(TypedDict):
+    """One engine's snapshot (values may be a step old); a data-parallel engine's adds up its replicas'."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped: int
+    waiting_by_priority: dict[int, int]  # request priority -> waiting requests
+    kv_cache_usage: float  # 0-1 (a data-parallel engine's: the replicas' mean)
+    num_blocks: int
+    num_free_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    num_swapped_out_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    spec_decode: SpecDecodeSnapshot | None  # None without speculative decoding
+    rank_batch_requests: list[int]  # per rank (every replica's ranks, in order, when data-parallel)
+    data_parallel_routed: NotRequired[list[int]]  # requests sent to each replica (data-parallel only)
+
+
+#: the keys holding an integer count of one engine: a data-parallel engine's is its replicas' sum
+CountKey = Literal["num_running", "num_waiting", "num_preemptions", "num_preemptions_recompute",
+                   "num_preemptions_swap", "num_swapped", "num_blocks", "num_free_blocks", "num_cpu_blocks",
+                   "num_free_cpu_blocks", "num_swapped_out_blocks", "prefix_cache_queries", "prefix_cache_hits",
+                   "num_prompt_tokens", "num_generation_tokens"]
+COUNT_KEYS: tuple[CountKey, ...] = get_args(CountKey)
