@@ -13,12 +13,45 @@ import time
 import httpx
 import pytest
 
-from kvforge.bench.serve import wait_healthy
-
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
 #: lines of a server's output kept for failure reports
 LOG_LINES = 2000
+#: seconds between two polls of a starting server's /health
+POLL_S = 0.05
+
+
+class _ThreadClient(threading.local):
+    client: httpx.Client | None = None
+
+
+_thread_client = _ThreadClient()
+
+
+def http() -> httpx.Client:
+    """This thread's HTTP client, for the helpers that poll a server. ``httpx.get`` builds a client per
+    call, an SSL context with it: 20 ms of CPU, so polling every 20-100 ms took a third of a core, or
+    more, from the server under test on CI's 2 cores (3 s of CPU per server start). No keep-alive:
+    each request on its own connection, as ``httpx.get`` sends it."""
+    if _thread_client.client is None:
+        _thread_client.client = httpx.Client(timeout=2.0, limits=httpx.Limits(max_keepalive_connections=0))
+    return _thread_client.client
+
+
+def wait_healthy(url: str, timeout: float, alive=lambda: True) -> None:
+    """Poll ``url``/health until it answers 200 (``kvforge.bench.serve.wait_healthy``'s contract and
+    messages, with this thread's client)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the server exited before /health answered 200")
+        try:
+            if http().get(f"{url}/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(POLL_S)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
 
 
 def free_port() -> int:
@@ -119,7 +152,7 @@ def tokenizer():
 
 
 def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = http().get(f"{server.url}/metrics").text
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
@@ -129,7 +162,7 @@ def metric(server, name: str) -> float:
 def metric_by_label(server, name: str, label: str) -> dict[str, float]:
     """Every series of the metric ``name`` (a counter's ``_total`` included) by the value of ``label``."""
     out = {}
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+    for line in http().get(f"{server.url}/metrics").text.splitlines():
         if line.startswith(name + "{"):
             out[line.split(f'{label}="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
     return out

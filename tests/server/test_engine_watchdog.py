@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, wait_until
+from conftest import ServerProcess, http, wait_until
 from kvforge.model.loader import default_model_path
 
 STEP_TIMEOUT_S = 3.0
@@ -104,7 +104,7 @@ def b_tokens(server: ServerProcess, model: str) -> int:
 def watch_health(server: ServerProcess, seen: list[int], stop: threading.Event) -> None:
     while not stop.is_set() and server.proc.poll() is None:
         try:
-            seen.append(httpx.get(f"{server.url}/health", timeout=2).status_code)
+            seen.append(http().get(f"{server.url}/health").status_code)
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
@@ -176,6 +176,6 @@ def test_a_stalled_idle_engine_turns_health_503_and_the_server_exits_1():
 
 def _health(server: ServerProcess) -> int | None:
     try:
-        return httpx.get(f"{server.url}/health", timeout=2).status_code
+        return http().get(f"{server.url}/health").status_code
     except httpx.HTTPError:
         return None

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, ServerProcess, metric, wait_until
+from conftest import API_KEY, ServerProcess, http, metric, wait_until
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 ORIGIN = "https://a.example"
@@ -30,9 +30,9 @@ def poll_while_starting(server: ServerProcess, timeout: float = 120) -> list[tup
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and server.proc.poll() is None:
         try:
-            ready = httpx.get(f"{server.url}/ready", timeout=2)
-            health = httpx.get(f"{server.url}/health", timeout=2)
-            models = httpx.get(f"{server.url}/v1/models", timeout=2)
+            ready = http().get(f"{server.url}/ready")  # (conftest's client: polls cost little CPU)
+            health = http().get(f"{server.url}/health")
+            models = http().get(f"{server.url}/v1/models")
         except httpx.HTTPError:  # not bound yet (the interpreter is importing)
             time.sleep(0.05)
             continue

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import SMOL_FLAGS, ServerProcess, hang_up_mid_stream, metric, metric_by_label, wait_until
+from conftest import SMOL_FLAGS, ServerProcess, hang_up_mid_stream, http, metric, metric_by_label, wait_until
 
 
 def rank_requests(server) -> dict[str, float]:
@@ -88,7 +88,7 @@ def test_killed_rank_stops_the_server(default_model_path):
         seen_503 = False
         while s.proc.poll() is None and time.monotonic() - start < 30:
             try:
-                seen_503 |= httpx.get(f"{s.url}/health", timeout=2).status_code == 503
+                seen_503 |= http().get(f"{s.url}/health").status_code == 503
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
