@@ -120,6 +120,7 @@ CHECKED = [
     "plugins/executors/__init__.py",
     "plugins/executors/multiproc.py",
     "plugins/executors/rank_process.py",
+    "plugins/executors/shm_broadcast.py",
     "plugins/executors/ray_executor.py",
     "plugins/kv_cache/__init__.py",
     "plugins/models/__init__.py",

@@ -9,11 +9,17 @@ up globally at run time. With a group of size 1 every collective is a no-op (doc
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+#: seconds a rank waits for its process groups to be aborted at shutdown (vLLM bounds its NCCL abort too)
+LEAVE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -116,16 +122,32 @@ class RankGroups:
     def is_driver(self) -> bool:
         return self.rank == self.driver_rank
 
-    def leave(self, device: torch.device) -> None:
-        """Leave the process groups (their connections close; peers still in a collective get an error)."""
+    def leave(self, device: torch.device, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+        """Leave the process groups (their connections close; peers still in a collective get an error),
+        waiting at most ``timeout_s``; False if that was not enough (the groups are left to the process's
+        exit). The caller drops its CUDA graphs first: NCCL's abort waits until no graph that captured
+        one of its collectives is left."""
         # NCCL's shutdown waits for its peers (a rank already stopped would hang it): abort instead
         how = "abort" if device.type == "cuda" else "shutdown"
-        for g in {id(g): g for g in (self.tp, self.world) if g.size > 1}.values():
-            if hasattr(g.group, how):
-                try:
-                    getattr(g.group, how)()
-                except Exception:  # already broken: nothing left to release
-                    pass
+        groups = [g.group for g in {id(g): g for g in (self.tp, self.world) if g.size > 1}.values()]
+
+        def leave_all() -> None:
+            for g in groups:
+                if hasattr(g, how):
+                    try:
+                        getattr(g, how)()
+                    except Exception:  # already broken: nothing left to release
+                        pass
+        if not groups:
+            return True
+        thread = threading.Thread(target=leave_all, name=f"kvforge-leave-rank{self.rank}", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("rank %d: leaving the process groups took over %.0f s; left to the process's exit",
+                           self.rank, timeout_s)
+            return False
+        return True
 
 
 def init_world(rank: int, device: torch.device, *, tensor_parallel_size: int, pipeline_parallel_size: int,

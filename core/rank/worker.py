@@ -14,6 +14,7 @@ every rank (``Executor.collective_rpc``), by name.
 """
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
@@ -99,7 +100,14 @@ class Worker:
                 "stage": self.stage.rank, "layers": list(self.stage.layers(self.spec.model_config.num_hidden_layers))}
 
     def close(self) -> None:
-        """Leave the process groups (their connections close; peers still in a collective get an error)."""
+        """Leave the process groups (their connections close; peers still in a collective get an error),
+        within ``parallel_state.LEAVE_TIMEOUT_S``. The CUDA graphs go first (the worker cannot replay them
+        afterwards anyway): NCCL's abort blocks while a graph that captured one of its collectives lives,
+        which hung a tensor-parallel engine's shutdown on the GPUs."""
+        if self.graphs is not None and self.groups.world.size > 1:
+            self.graphs = None
+            if self.device.type == "cuda":
+                gc.collect()  # a graph held in a reference cycle is destroyed only by a collection
         self.groups.leave(self.device)
 
     def release(self) -> None:

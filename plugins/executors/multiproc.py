@@ -3,8 +3,9 @@
 Each rank is a fresh ``python -m kvforge.plugins.executors.rank_process`` (never a re-import of the
 user's script, so no ``if __name__ == "__main__"`` guard is needed), connected back over loopback with
 a random key. They speak the typed messages of ``kvforge.rank.messages``. Each step's ``StepInput`` is
-packed (``kvforge.rank.step_codec``), pickled once and written to every rank's connection; the ranks
-answer nothing (their results are the driver's too, and the collectives keep them in step). Calls on
+packed (``kvforge.rank.step_codec``), pickled once and written once into a ring in shared memory that
+every rank reads (``shm_broadcast``; a message too large for a chunk goes over each rank's connection,
+as the answers do); the ranks answer nothing (their results are the driver's too, and the collectives keep them in step). Calls on
 every rank (``collective_rpc``: sizing the KV cache, capturing graphs) are answered. A monitor thread
 watches every process: one that dies makes :meth:`check_health` raise ``WorkerFailure`` naming it,
 and a step that fails because a rank is gone raises the same (docs/distributed.md, Failures).
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from kvforge.errors import is_device_error
+from kvforge.plugins.executors.shm_broadcast import CHUNK_BYTES, SPIN_S, RingAddress, ShmBroadcast
 from kvforge.rank.executor import Executor, WorkerFailure, check_calls, free_port, start_driver, stop_processes
 from kvforge.rank.messages import CallDone, FailedCall, RankCall, RankFailed, RankReady, RankReply, StopRank, as_call
 from kvforge.rank.step_codec import StepEncoder
@@ -42,11 +44,15 @@ logger = logging.getLogger(__name__)
 
 #: seconds a failing step waits for the process monitor to name the rank that is gone
 FAILURE_GRACE_S = 5.0
+#: seconds shutdown waits for the ring to take the ranks' stop message
+STOP_WAIT_S = 2.0
 
 
 class MultiprocExecutor(Executor):
     name = "mp"
     typed_calls = True
+    #: the ring's chunk size: a message larger than this goes over the ranks' connections
+    ring_chunk_bytes = CHUNK_BYTES
 
     def __init__(self, spec: WorkerSpec):
         if spec.init_method is None:
@@ -66,6 +72,11 @@ class MultiprocExecutor(Executor):
                     "(across nodes use distributed_executor_backend='ray')")
         self.procs: dict[int, subprocess.Popen] = {}
         self.conns: dict[int, multiprocessing.connection.Connection] = {}
+        others = [r for r in range(spec.world_size) if r != spec.driver_rank]
+        self._ring = ShmBroadcast.create(readers=len(others), chunk_bytes=self.ring_chunk_bytes)
+        # NOTE: the CPU device's ranks share the node's cores with the computation: they never spin
+        spin_s = SPIN_S if spec.config.torch_device.type == "cuda" else 0.0
+        self._addresses = {r: RingAddress(self._ring.name, len(others), i, chunk_bytes=self.ring_chunk_bytes, spin_s=spin_s) for i, r in enumerate(others)}
         key = os.urandom(16)
         self._listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=key)
         env = dict(os.environ, KVFORGE_RANK_AUTHKEY=key.hex())
@@ -74,7 +85,7 @@ class MultiprocExecutor(Executor):
             if rank != spec.driver_rank:
                 self.procs[rank] = subprocess.Popen(
                     [sys.executable, "-m", "kvforge.plugins.executors.rank_process", host, str(port), str(rank)], env=env)
-        self._finalizer = weakref.finalize(self, stop_processes, list(self.procs.values()))
+        self._finalizer = weakref.finalize(self, _release, list(self.procs.values()), self._ring)
         try:
             self._connect()
             self.driver = self._start_driver()
@@ -101,6 +112,7 @@ class MultiprocExecutor(Executor):
                     conn = self._listener.accept()
                     rank = conn.recv()
                     conn.send(self.spec)
+                    conn.send(self._addresses[rank])
                     accepted[rank] = conn
             except (OSError, EOFError) as exc:
                 failed.append(exc)
@@ -170,7 +182,11 @@ class MultiprocExecutor(Executor):
         except Exception as exc:
             raise self._failure(exc) from exc
 
-    def _send_all(self, payload: bytes) -> None:
+    def _send_all(self, payload: bytes, check: Callable[[], None] | None = None) -> None:
+        """Every rank's next message: into the ring, or (too large for a chunk) after its marker, on each
+        rank's connection."""
+        if self._ring.write(payload, check or self.check_health):
+            return
         for conn in self.conns.values():
             try:
                 conn.send_bytes(payload)
@@ -251,6 +267,9 @@ class MultiprocExecutor(Executor):
         if rank is not None:
             raise WorkerFailure(self.describe(rank))
 
+    def step_watch(self) -> Callable[[], None] | None:
+        return self.check_health  # a poll of each rank's process
+
     def _watch(self) -> None:
         """Log the first rank that goes (the engine finds out through check_health or a failed step)."""
         while not self._closing:
@@ -265,14 +284,28 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
-        for conn in self.conns.values():
+        if self.conns:
+            deadline = time.monotonic() + STOP_WAIT_S
+
+            def in_time() -> None:  # a rank that is alive but stuck must not hold the shutdown
+                self.check_health()
+                if time.monotonic() > deadline:
+                    raise TimeoutError("a rank did not take its messages")
             try:
-                conn.send_bytes(pickle.dumps(StopRank()))
-            except (BrokenPipeError, ConnectionError, OSError):
-                pass
-        stop_processes(list(self.procs.values()))
-        self._listener.close()
+                self._send_all(pickle.dumps(StopRank()), in_time)
+            except (WorkerFailure, TimeoutError):
+                pass  # stop_processes ends it
+        # NOTE: the driver leaves its groups while the other ranks leave theirs (each abort is bounded)
         if getattr(self, "driver", None) is not None:
             self.driver.close()
+        stop_processes(list(self.procs.values()))
+        self._listener.close()
         for conn in self.conns.values():
             conn.close()
+        self._ring.close()
+
+
+def _release(procs: list[subprocess.Popen], ring: ShmBroadcast) -> None:
+    """What an executor dropped without ``shutdown`` leaves: its processes and its ring."""
+    stop_processes(procs)
+    ring.close()

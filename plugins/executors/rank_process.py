@@ -16,6 +16,7 @@ from typing import NoReturn
 import torch
 
 from kvforge.log_format import configure_logging, inherited_format
+from kvforge.plugins.executors.shm_broadcast import OVERFLOW, RingAddress, ShmBroadcast
 from kvforge.rank.messages import FailedCall, RankCall, RankFailed, RankMessage, RankReady, StopRank, answer
 from kvforge.rank.step_codec import ExecuteStep, StepDecoder
 from kvforge.rank.worker import Worker
@@ -30,13 +31,15 @@ def main(argv: list[str]) -> int:
     conn = multiprocessing.connection.Client((host, port), authkey=bytes.fromhex(os.environ["KVFORGE_RANK_AUTHKEY"]))
     conn.send(rank)
     spec = conn.recv()
-    run_rank(spec, rank, conn)
+    address: RingAddress = conn.recv()
+    run_rank(spec, rank, conn, address.attach())
     return 0
 
 
-def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Connection) -> None:
+def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Connection, ring: ShmBroadcast) -> None:
     """Build the worker (answering ``RankReady``), then serve the engine's messages
-    (``kvforge.rank.messages``), dispatched on their type: ``ExecuteStep`` (not answered), a ``RankCall``
+    (``kvforge.rank.messages``, read from the ``ring``; one too large for it comes on ``conn``),
+    dispatched on their type: ``ExecuteStep`` (not answered), a ``RankCall``
     (answered ``CallDone``, or ``FailedCall`` when it raised for a reason that is not the device's),
     ``StopRank``. Any other failure is reported (``RankFailed``) and ends the process."""
     try:
@@ -47,9 +50,16 @@ def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Conne
     except BaseException as exc:
         _fail(conn, exc)
     steps = StepDecoder()
+
+    def engine_gone() -> None:
+        # the engine sends on the connection only after a message's marker is in the ring: readable
+        # with nothing in the ring means closed
+        if conn.poll() and not ring.ready():
+            raise EOFError("the engine closed its connection")
     while True:
         try:
-            msg: RankMessage = pickle.loads(conn.recv_bytes())
+            data = ring.read(engine_gone)
+            msg: RankMessage = pickle.loads(conn.recv_bytes() if data is OVERFLOW else data)  # pyright: ignore[reportArgumentType]
         except (EOFError, OSError):  # the engine is gone
             break
         try:
@@ -67,6 +77,7 @@ def run_rank(spec: WorkerSpec, rank: int, conn: multiprocessing.connection.Conne
         except BaseException as exc:
             _fail(conn, exc)
     worker.close()
+    ring.close()
 
 
 def _fail(conn: multiprocessing.connection.Connection, exc: BaseException) -> NoReturn:

@@ -85,8 +85,12 @@ def test_pp2_equals_one_rank_token_for_token_on_the_default_model(one_rank):
         llm.shutdown()
 
 
-def test_tp2_x_pp2_equals_one_rank_on_a_tiny_model():
-    """Four ranks: two stages of two tensor-parallel ranks each (the tiny model's 2 layers, one per stage)."""
+def test_tp2_x_pp2_equals_one_rank_on_a_tiny_model(monkeypatch):
+    """Four ranks: two stages of two tensor-parallel ranks each (the tiny model's 2 layers, one per stage).
+    The step ring's chunks are made too small for most messages, which then go over the connections."""
+    from kvforge.plugins.executors.multiproc import MultiprocExecutor
+
+    monkeypatch.setattr(MultiprocExecutor, "ring_chunk_bytes", 128)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 5, 9, 200 + i, 7] * (i + 1) for i in range(8)]
     common = dict(device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32)
@@ -134,8 +138,10 @@ def test_killed_rank_fails_the_engine_fast_naming_the_rank():
         with pytest.raises(WorkerFailure, match="rank 1"):
             llm.llm_engine.check_health()
     finally:
+        start = time.monotonic()
         llm.shutdown()
-    assert proc.poll() is not None
+    assert time.monotonic() - start < 10 and proc.poll() is not None
+    assert not os.path.exists(f"/dev/shm/{executor._ring.name.lstrip('/')}")  # the step ring is removed
 
 
 def test_bad_rank_count_is_refused_before_anything_starts():

@@ -8,7 +8,7 @@ import torch
 
 from kvforge import LLM, SamplingParams
 from kvforge.rank import batch_layout, kv_sizing
-from kvforge.rank.parallel_state import SINGLE, PPStage, init_world
+from kvforge.rank.parallel_state import SINGLE, PPStage, RankGroups, TPGroup, init_world
 from kvforge.rank.stage_forward import driver_tokens
 from kvforge.rank.step_input import StepInput
 
@@ -110,3 +110,19 @@ def test_a_rank_traces_itself():
         worker.execute(StepInput(req_ids=["x"], num_computed=np.zeros(1, dtype=np.int64),
                                  query_lens=np.ones(1, dtype=np.int64), input_ids=np.ones(1, dtype=np.int64),
                                  table_updates=[("x", 0, [0])]))
+
+
+def test_leaving_the_groups_is_bounded_when_an_abort_hangs():
+    """A rank's shutdown never waits on a collective library that does not return (NCCL's abort blocked
+    while CUDA graphs held its communicator): the leave gives up after its timeout."""
+    import time
+
+    class Stuck:
+        def shutdown(self) -> None:
+            time.sleep(30)
+    group = TPGroup(0, 2, Stuck())
+    start = time.monotonic()
+    assert RankGroups(0, group, group, PPStage(), 0).leave(torch.device("cpu"), timeout_s=0.3) is False
+    assert time.monotonic() - start < 2
+    assert RankGroups(0, SINGLE, SINGLE, PPStage(), 0).leave(torch.device("cpu")) is True
+
