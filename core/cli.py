@@ -71,6 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                         help="schedule the next step while the GPU runs the current one (default: on CUDA only)")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    parser.add_argument("--disable-custom-all-reduce", dest="disable_custom_all_reduce", action="store_true",
+                        default=None, help="every tensor-parallel all-reduce through NCCL (none over peer memory)")
     parser.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None,
                         help="serve LoRA adapters next to the base model (docs/lora.md)")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
@@ -79,7 +81,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching", "enforce_eager", "async_scheduling",
-                                                           "enable_lora"]
+                                                           "enable_lora", "disable_custom_all_reduce"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

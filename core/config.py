@@ -78,6 +78,8 @@ class EngineConfig:
         (one rank, in process), ``mp`` (processes spawned on this node), ``ray`` (Ray actors, across
         nodes). None (the default): ``uni`` for one rank, ``ray`` when a Ray cluster is running or the
         ranks outnumber this node's GPUs, else ``mp`` (docs/distributed.md).
+    disable_custom_all_reduce: send every tensor-parallel all-reduce to NCCL (by default, on CUDA,
+        messages of at most 4 MiB go over the GPUs' peer memory: ``kvforge.rank.peer_all_reduce``).
     quantization: a registered quantization method for the linear layers (built in: ``fp8`` and
         ``int4`` quantize on load; ``fp8``, ``awq``, ``gptq`` and ``compressed-tensors`` load
         pre-quantized checkpoints); None: the method that loads the checkpoint's
@@ -124,6 +126,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    disable_custom_all_reduce: bool = False
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enable_lora: bool = False
@@ -176,6 +179,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise ValueError(f"disable_custom_all_reduce must be true or false, got {self.disable_custom_all_reduce!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -73,6 +73,7 @@ CHECKED = [
     "rank/model_build.py",
     "rank/model_runner.py",
     "rank/parallel_state.py",
+    "rank/peer_all_reduce.py",
     "rank/profiler.py",
     "rank/prompt_logits.py",
     "rank/stage_forward.py",

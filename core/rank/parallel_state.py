@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
+from kvforge.rank.peer_all_reduce import PeerAllReduce, peer_all_reduce
+
 logger = logging.getLogger(__name__)
 
 #: seconds a rank waits for its process groups to be aborted at shutdown (vLLM bounds its NCCL abort too)
@@ -31,10 +33,14 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
+    peer: PeerAllReduce | None = None  # small messages over peer GPU memory (``peer_all_reduce``), on CUDA
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place; returns it."""
+        """Sum ``x`` over the group, in place; returns it. Small messages go over peer memory where the
+        group has it, the rest to the collective library (NCCL, gloo)."""
         if self.size > 1:
+            if self.peer is not None and self.peer.takes(x):
+                return self.peer(x)
             self.group.allreduce([x]).wait()
         return x
 
@@ -130,6 +136,8 @@ class RankGroups:
         # NCCL's shutdown waits for its peers (a rank already stopped would hang it): abort instead
         how = "abort" if device.type == "cuda" else "shutdown"
         groups = [g.group for g in {id(g): g for g in (self.tp, self.world) if g.size > 1}.values()]
+        if self.tp.peer is not None:
+            self.tp.peer.close()
 
         def leave_all() -> None:
             for g in groups:
@@ -151,9 +159,11 @@ class RankGroups:
 
 
 def init_world(rank: int, device: torch.device, *, tensor_parallel_size: int, pipeline_parallel_size: int,
-               init_method: str | None, timeout_s: float) -> RankGroups:
+               init_method: str | None, timeout_s: float, custom_all_reduce: bool = True) -> RankGroups:
     """Join the engine's ranks (NCCL on CUDA, gloo on the CPU; the driver serves the rendezvous at
-    ``init_method``, ``tcp://host:port``, needed when there is more than one rank)."""
+    ``init_method``, ``tcp://host:port``, needed when there is more than one rank). On CUDA the
+    tensor-parallel group also gets its peer-memory all-reduce (``peer_all_reduce``) unless
+    ``custom_all_reduce`` is False."""
     tp, world = tensor_parallel_size, tensor_parallel_size * pipeline_parallel_size
     stage = PPStage(rank // tp, pipeline_parallel_size)
     driver = (pipeline_parallel_size - 1) * tp
@@ -162,11 +172,17 @@ def init_world(rank: int, device: torch.device, *, tensor_parallel_size: int, pi
     if init_method is None:
         raise ValueError(f"init_method: {world} ranks need a rendezvous address (tcp://host:port), got None")
     store = rendezvous(init_method, rank, world, timeout_s, host_rank=driver)
-    world_group = TPGroup(rank, world, new_process_group(store, "world/", rank, world, device, timeout_s))
-    if tp == world:
-        return RankGroups(rank, world_group, world_group, stage, driver)
-    tp_pg = new_process_group(store, f"tp{stage.rank}/", rank % tp, tp, device, timeout_s)
-    return RankGroups(rank, TPGroup(rank % tp, tp, tp_pg), world_group, stage, driver)
+    world_pg = new_process_group(store, "world/", rank, world, device, timeout_s)
+    tp_pg = world_pg if tp == world else new_process_group(store, f"tp{stage.rank}/", rank % tp, tp, device, timeout_s)
+    peer = None
+    if tp > 1 and device.type == "cuda" and custom_all_reduce:
+        from torch.distributed.distributed_c10d import PrefixStore
+
+        peer = peer_all_reduce(f"kvforge-tp{stage.rank}-{init_method}", tp_pg, PrefixStore(f"peer{stage.rank}/", store),
+                               rank % tp, tp, device)
+    tp_group = TPGroup(rank % tp, tp, tp_pg, peer)
+    world_group = tp_group if tp == world else TPGroup(rank, world, world_pg)
+    return RankGroups(rank, tp_group, world_group, stage, driver)
 
 
 def rendezvous(init_method: str, rank: int, size: int, timeout_s: float, host_rank: int = 0) -> Any:

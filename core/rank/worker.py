@@ -58,7 +58,8 @@ class Worker:
             self.memory_baseline = MemoryBaseline.take(self.device)
         self.groups = init_world(rank, self.device, tensor_parallel_size=spec.tensor_parallel_size,
                                  pipeline_parallel_size=spec.pipeline_parallel_size, init_method=spec.init_method,
-                                 timeout_s=spec.init_timeout_s)
+                                 timeout_s=spec.init_timeout_s,
+                                 custom_all_reduce=not config.disable_custom_all_reduce)
         self.group, self.world, self.stage = self.groups.tp, self.groups.world, self.groups.stage
         torch.manual_seed(config.seed)
         pm = get_plugin_manager()
