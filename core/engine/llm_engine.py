@@ -71,6 +71,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(mc.eos_token_ids)
 
         self.executor = self._build_executor(pm, config, mc)
+        self._step_watch = self.executor.step_watch()  # while waiting for a step: a rank gone ends the wait
         try:
             self._initialize(pm, config, mc)
         except BaseException:
@@ -404,7 +405,7 @@ class LLMEngine:
         """Wait for a launched step; the scheduler applies its tokens (a :class:`StepResult`), the
         output processor detokenizes and finds stop strings, the scheduler ends those; then outputs."""
         sched_out, handle = step
-        runner_out = handle.result()
+        runner_out = handle.result(self._step_watch)
         self.last_runner_output = runner_out  # beam search reads the beams' logprobs here
         sampled = runner_out.sampled_token_ids
         for rid in [rid for rid, toks in sampled.items() if toks[-1] == NO_TOKEN]:

@@ -108,6 +108,13 @@ class Executor(ABC):
         """Raise ``WorkerFailure`` if a rank is gone (one rank in process: never)."""
         return None
 
+    def step_watch(self) -> Callable[[], None] | None:
+        """A check cheap enough to call ten times a second while the driver waits for a step on the
+        device, raising ``WorkerFailure`` if a rank is gone (a step whose collectives wait for a dead
+        peer never ends); None where there is none (one rank; an executor whose health check is a
+        round trip to the ranks)."""
+        return None
+
     def shutdown(self) -> None:
         """Stop every rank; nothing is left running. Idempotent. (Nothing to stop in process: the driver
         worker's memory is given back by ``LLMEngine.release``.)"""

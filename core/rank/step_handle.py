@@ -1,13 +1,28 @@
 """``StepHandle``: a launched step, from its device results to the host's ``ModelRunnerOutput``."""
 from __future__ import annotations
 
-from typing import Any
+import os
+import time
+from typing import Any, Callable
 
 import torch
 
 from kvforge.errors import RequestFailure
 from kvforge.rank.input_buffers import HostInputs, d2h
 from kvforge.scheduler import ModelRunnerOutput, TokenLogprobs
+
+#: seconds between two looks at the ranks' health while the driver waits for a step
+CHECK_EVERY_S = 0.1
+
+
+def wait_event(event: torch.cuda.Event, check: Callable[[], None]) -> None:
+    """Wait for ``event`` (yielding the core between looks), calling ``check`` every ``CHECK_EVERY_S``."""
+    next_check = time.monotonic() + CHECK_EVERY_S
+    while not event.query():
+        if time.monotonic() >= next_check:
+            check()
+            next_check = time.monotonic() + CHECK_EVERY_S
+        os.sched_yield()
 
 
 class StepHandle:
@@ -67,12 +82,17 @@ class StepHandle:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the step (only for its own work: later steps may already be queued) and convert."""
+    def result(self, check: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """Wait for the step (only for its own work: later steps may already be queued) and convert.
+        ``check`` (several ranks): called every ``CHECK_EVERY_S`` while waiting, raises if a rank is gone
+        (a step whose collectives wait for a dead peer never ends on the device)."""
         if self._result is not None:
             return self._result
         if self.event is not None:
-            self.event.synchronize()
+            if check is None:
+                self.event.synchronize()
+            else:
+                wait_event(self.event, check)
         res = ModelRunnerOutput()
         if self.verified is not None:
             res.sampled_token_ids = {r.request_id: row[:row[-1]] for r, row in
