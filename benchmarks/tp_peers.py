@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="another kvforge EngineConfig field, e.g. async_scheduling=false")
     p.add_argument("--profile", action="store_true", help="print a torch profile of a batch-1 run")
+    p.add_argument("--trace-dir", default=None, help="with --profile: write each rank's Chrome trace there "
+                   "(benchmarks/tp_trace_summary.py reads them)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = p.parse_args()
@@ -86,7 +88,7 @@ def main() -> None:
         if args.profile and args.engine == "kvforge":  # where a batch-1 decode step's time goes, on every rank
             llm.start_profile()
             llm.generate([prompt(ids)], params(SamplingParams, args.engine, 33), use_tqdm=False)
-            for table in llm.stop_profile():
+            for table in llm.stop_profile(args.trace_dir):
                 print(table, flush=True)
     if args.w1:
         work = make_workload("fixed", 256, 512, 256, vocab)
