@@ -55,6 +55,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--device", default="auto")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="each replica's KV pool in GiB (CPU default: up to 4 GiB; CUDA: overrides the profiled size)")
     args = p.parse_args()
     import torch
 
@@ -63,6 +65,7 @@ def main() -> None:
     rows = run(PROMPTS, model=args.model, replicas=args.replicas, batch_size=args.batch_size,
                max_tokens=args.max_tokens, gpus_per_replica=args.tensor_parallel_size if cuda else 0,
                device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+               kv_cache_memory_gib=args.kv_cache_memory_gib,
                # a replica's ranks are processes inside its actor, on the GPUs Ray gave it (not more actors)
                distributed_executor_backend="mp" if args.tensor_parallel_size > 1 else None)
     for row in rows:

@@ -60,19 +60,33 @@ def make_adapter(hf_base, out_dir: str, spec: AdapterSpec, scale: float = 1.0) -
     return path
 
 
-def peft_greedy(hf_base, adapter_path: str | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers + peft greedy tokens for each prompt (one at a time, no padding, EOS not special)."""
+def peft_model(hf_base, adapter_path: str | None):
+    """``hf_base`` (None: no adapter) or a copy of it under the PEFT adapter at ``adapter_path``, in eval mode."""
     model = hf_base
     if adapter_path is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(copy.deepcopy(hf_base), adapter_path)
-    model.eval()
+    return model.eval()
+
+
+def greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """``model``'s greedy tokens for each prompt (one at a time, no padding, EOS not special): the argmax of
+    the last position's logits, decoded with transformers' KV cache (no logits processors: generate's would
+    suppress EOS). With the cache, each new token is a one-token forward, not a forward of the whole sequence."""
     out = []
-    with torch.no_grad():  # argmax of full forwards: no logits processors (generate's would suppress EOS)
+    with torch.no_grad():
         for ids in prompts:
-            seq = list(ids)
+            step, cache, seq = torch.tensor([list(ids)]), None, []
             for _ in range(max_tokens):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            out.append(seq[len(ids):])
+                res = model(step, cache=cache, use_cache=True)
+                cache = res.cache
+                seq.append(int(res.logits[0, -1].argmax()))
+                step = torch.tensor([seq[-1:]])
+            out.append(seq)
     return out
+
+
+def peft_greedy(hf_base, adapter_path: str | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers + peft greedy tokens for each prompt (one at a time, no padding, EOS not special)."""
+    return greedy(peft_model(hf_base, adapter_path), prompts, max_tokens)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from kvforge import LLM, LoRARequest, SamplingParams
-from lora_adapters import SPECS, AdapterSpec, make_adapter, peft_greedy
+from lora_adapters import SPECS, AdapterSpec, greedy, make_adapter, peft_model
 
 MAX_TOKENS = 10
 TEXTS = ["The capital of France is", "SELECT name FROM users WHERE", "def fibonacci(n):", "Once upon a time, in a",
@@ -38,16 +38,18 @@ def prompt_ids(llm):
 
 class References(dict):
     """transformers + peft greedy tokens, computed on first use: ``refs[k, i]`` for adapter index k (None: the
-    base model) on prompt i of TEXTS."""
+    base model) on prompt i of TEXTS. Each adapter's peft model is built once (a copy of the base model)."""
 
     def __init__(self, hf_base, adapters, prompt_ids):
         super().__init__()
         self.hf_base, self.adapters, self.prompt_ids = hf_base, adapters, prompt_ids
+        self.models: dict[int | None, object] = {}
 
     def __missing__(self, key):
         k, i = key
-        path = None if k is None else self.adapters[k].lora_path
-        self[key] = peft_greedy(self.hf_base, path, [self.prompt_ids[i]], MAX_TOKENS)[0]
+        if k not in self.models:
+            self.models[k] = peft_model(self.hf_base, None if k is None else self.adapters[k].lora_path)
+        self[key] = greedy(self.models[k], [self.prompt_ids[i]], MAX_TOKENS)[0]
         return self[key]
 
 

@@ -20,7 +20,9 @@ def test_ray_data_example_returns_every_prompt_text(default_llm):
     finally:
         sys.path.pop(0)
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_data_batch.py"), "--device", "cpu",
-                          "--max-tokens", "8", "--replicas", "2"],
+                          "--max-tokens", "8", "--replicas", "2",
+                          # 0.5 GiB per replica, as default_llm (the CPU default zero-fills up to 4 GiB each)
+                          "--kv-cache-memory-gib", "0.5"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -92,13 +92,16 @@ def test_prefix_cache_hits_with_speculation_match(spec, plain, check_no_blocks):
 
 
 def test_max_tokens_and_stop_strings_cut_exactly_inside_an_accepted_run(spec, plain):
-    for params in (_greedy(7), _greedy(24, stop=["brown", "four", ", 7"]),
-                   SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[11])):
-        want = plain.generate(PROMPTS, params, use_tqdm=False)
-        got = spec.generate(PROMPTS, params, use_tqdm=False)
-        for w, g in zip(want, got):
-            assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason, g.outputs[0].stop_reason) \
-                == (w.outputs[0].token_ids, w.outputs[0].text, w.outputs[0].finish_reason, w.outputs[0].stop_reason)
+    # every prompt under each of the three cuts, all in one batch (per-prompt params): a third of the steps
+    cuts = (_greedy(7), _greedy(24, stop=["brown", "four", ", 7"]),
+            SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[11]))
+    params = [p for p in cuts for _ in PROMPTS]
+    want = plain.generate(PROMPTS * len(cuts), params, use_tqdm=False)
+    got = spec.generate(PROMPTS * len(cuts), params, use_tqdm=False)
+    assert len(want) == len(got) == len(params)
+    for w, g in zip(want, got):
+        assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason, g.outputs[0].stop_reason) \
+            == (w.outputs[0].token_ids, w.outputs[0].text, w.outputs[0].finish_reason, w.outputs[0].stop_reason)
 
 
 def test_penalties_logit_bias_and_bad_words_see_the_drafts(spec, plain):

@@ -1,7 +1,8 @@
 """`kvforge serve --data-parallel-size 2` (two engine replicas as Ray actors, a local Ray started by the
 server) on the real default model: concurrent streams through the official client get the text one
 engine gives, the requests are spread over both replicas, bad input is still a 400 naming the field,
-and a client hanging up aborts its request on its replica."""
+and a client hanging up aborts its request on its replica. A replica killed outright stops the server
+(on the tiny model: a replica's death does not depend on the model it serves, and its start is 3 s shorter)."""
 from __future__ import annotations
 
 import asyncio
@@ -69,7 +70,7 @@ def test_disconnect_aborts_on_the_replica(dp_server):
     assert metric(dp_server, "kvforge:generation_tokens_total") < 300 + 12 * len(PROMPTS)
 
 
-def test_a_dead_replica_stops_the_server(default_model_path):
+def test_a_dead_replica_stops_the_server():
     import os
     import signal
     import subprocess
@@ -79,17 +80,16 @@ def test_a_dead_replica_stops_the_server(default_model_path):
         return set(subprocess.run(["pgrep", "-f", "ray::ReplicaActor"], capture_output=True, text=True).stdout.split())
 
     before = replicas()  # another test's server may be running
-    s = ServerProcess("--data-parallel-size", "2", model=default_model_path)
+    s = ServerProcess("--data-parallel-size", "2")  # dummy:tiny
     try:
         found = sorted(replicas() - before)
         assert len(found) == 2
         os.kill(int(found[0]), signal.SIGKILL)
         start = time.monotonic()
         while s.proc.poll() is None and time.monotonic() - start < 45:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert s.proc.poll() is not None, "the server did not stop within 45 s of losing a replica"
         assert any("data-parallel replica" in line for line in s.log)
     finally:
         s.stop()
-    time.sleep(2)
-    assert not (replicas() - before)
+    assert wait_until(lambda: not (replicas() - before), timeout=2)  # gone within 2 s of the stop
