@@ -37,9 +37,14 @@ def make_llm(args: argparse.Namespace):
     hf = mc.to_hf_dict()
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf, f)
+    # NOTE: with several GPUs, vLLM 0.25/0.26's fuse_allreduce_rms compile pass picks FlashInfer's MNNVL
+    # all-reduce on one node, which creates NVLink multicast objects (cuMulticastCreate, never allowed on
+    # these shared machines) and, with multicast off, reads a null multicast pointer: the "cuBLAS illegal
+    # memory access" of vLLM issue 34948 (fixed by its PR 49043). The pass stays off here.
+    extra = {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}} if args.tp * args.pp > 1 else {}
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tensor_parallel_size=args.tp,
               pipeline_parallel_size=args.pp,
-              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization, **extra)
     return llm, SamplingParams, mc.vocab_size, lambda ids: TokensPrompt(prompt_token_ids=ids)
 
 
