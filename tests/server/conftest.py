@@ -13,12 +13,12 @@ import time
 import httpx
 import pytest
 
+from kvforge.bench.serve import wait_healthy
+
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
 #: lines of a server's output kept for failure reports
 LOG_LINES = 2000
-#: seconds between two polls of a starting server's /health
-POLL_S = 0.05
 
 
 class _ThreadClient(threading.local):
@@ -29,29 +29,12 @@ _thread_client = _ThreadClient()
 
 
 def http() -> httpx.Client:
-    """This thread's HTTP client, for the helpers that poll a server. ``httpx.get`` builds a client per
-    call, an SSL context with it: 20 ms of CPU, so polling every 20-100 ms took a third of a core, or
-    more, from the server under test on CI's 2 cores (3 s of CPU per server start). No keep-alive:
-    each request on its own connection, as ``httpx.get`` sends it."""
+    """This thread's HTTP client, for the helpers that poll a server (``httpx.get`` builds a client and an
+    SSL context per call: see ``kvforge.bench.serve.wait_healthy``). No keep-alive: each request on its
+    own connection, as ``httpx.get`` sends it."""
     if _thread_client.client is None:
         _thread_client.client = httpx.Client(timeout=2.0, limits=httpx.Limits(max_keepalive_connections=0))
     return _thread_client.client
-
-
-def wait_healthy(url: str, timeout: float, alive=lambda: True) -> None:
-    """Poll ``url``/health until it answers 200 (``kvforge.bench.serve.wait_healthy``'s contract and
-    messages, with this thread's client)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive():
-            raise RuntimeError("the server exited before /health answered 200")
-        try:
-            if http().get(f"{url}/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(POLL_S)
-    raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
 
 
 def free_port() -> int:
