@@ -239,5 +239,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None and self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(self._matmul(x))
+        staged = self.tp.staging((x.shape[0], self.output_size), x.dtype) if (
+            self.quant_method is None and x.dim() == 2) else None
+        if staged is not None:  # the partial product straight into the peer all-reduce's buffer
+            y = self.tp.all_reduce(torch.mm(x, self.weight.t(), out=staged))
+        else:
+            y = self.tp.all_reduce(self._matmul(x))
         return y if self.bias is None else y.add_(self.bias)

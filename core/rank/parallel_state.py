@@ -36,13 +36,19 @@ class TPGroup:
     peer: PeerAllReduce | None = None  # small messages over peer GPU memory (``peer_all_reduce``), on CUDA
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place; returns it. Small messages go over peer memory where the
-        group has it, the rest to the collective library (NCCL, gloo)."""
+        """Sum ``x`` over the group; returns the sum (``x`` itself, in place, unless ``x`` is
+        :meth:`staging`'s buffer). Small messages go over peer memory where the group has it, the rest
+        to the collective library (NCCL, gloo)."""
         if self.size > 1:
             if self.peer is not None and self.peer.takes(x):
                 return self.peer(x)
             self.group.allreduce([x]).wait()
         return x
+
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a producer may write a message for :meth:`all_reduce` to sum without copying it first
+        (the peer all-reduce's buffer), or None (then reduce a tensor of its own)."""
+        return self.peer.staging(shape, dtype) if self.size > 1 and self.peer is not None else None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` (same shape on all ranks) along the last dimension."""

@@ -7,7 +7,8 @@ few-ms step (docs/distributed.md). Here every rank copies its part into a buffer
 symmetric memory (mapped into every rank of the group), and one kernel reads all ranks' parts and sums
 them: ``torch.ops.symm_mem.one_shot_all_reduce_out`` (each rank reads everything: fewest steps, the
 choice for small messages), or ``two_shot_all_reduce_`` (reduce-scatter then all-gather through the
-same memory: less traffic, for larger ones at 4 ranks and more). Both synchronise through signal pads
+same memory: less traffic, for messages from 256 KB). A producer can write its message straight into
+the buffer (:meth:`PeerAllReduce.staging`), which saves the copy in. Both synchronise through signal pads
 that reset themselves, so they replay inside CUDA graphs. Neither uses NVLink multicast
 (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` leaves it off; the ``multimem_*`` ops, which need it, are never
 called).
@@ -32,9 +33,10 @@ logger = logging.getLogger(__name__)
 #: the largest message that goes over peer memory: a decode step of 256 sequences of a 4096-wide bf16
 #: hidden state is 2 MiB; prefill steps are larger and go to NCCL
 MAX_BYTES = 4 << 20
-#: at 4 ranks and more, messages of at least this many bytes take the two-shot kernel (vLLM's threshold
-#: for its one-stage / two-stage custom all-reduce on NVLink)
-TWO_SHOT_BYTES = 512 << 10
+#: messages of at least this many bytes take the two-shot kernel, at any number of ranks: its kernel was
+#: faster than one-shot's at every size measured on H100s (2 and 4 GPUs, docs/distributed.md), but it
+#: adds a copy out of the buffer (a few us), which pays from some hundreds of KB
+TWO_SHOT_BYTES = 256 << 10
 WORLD_SIZES = (2, 4, 8)  # the sizes PyTorch's kernels are built for
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -69,18 +71,33 @@ class PeerAllReduce:
         """Whether ``x`` goes over peer memory (a function of its size and dtype only)."""
         return x.dtype in DTYPES and x.is_contiguous() and 0 < x.numel() * x.element_size() <= self.max_bytes
 
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The buffer itself as a tensor of ``shape`` and ``dtype``, for a producer to write a message
+        into (``RowParallelLinear``'s matmul), saving the copy in; None if such a message does not take
+        this path. Pass it to :meth:`__call__` before anything else is reduced."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        if dtype not in DTYPES or not 0 < numel * dtype.itemsize <= self.max_bytes:
+            return None
+        return self.buffer.view(dtype)[:numel].view(shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place; returns it."""
+        """Sum ``x`` over the group; returns the sum: ``x`` itself (in place), or a new tensor if ``x``
+        is :meth:`staging`'s view of the buffer (the buffer is the next message's)."""
         flat = x.view(-1)
         staged = self.buffer.view(x.dtype)[:flat.numel()]
-        staged.copy_(flat)
-        if self.size == 2 or flat.numel() * x.element_size() < TWO_SHOT_BYTES:
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.name, flat)
+        in_buffer = flat.data_ptr() == staged.data_ptr()
+        out = torch.empty_like(flat) if in_buffer else flat
+        if not in_buffer:
+            staged.copy_(flat)
+        if flat.numel() * x.element_size() < TWO_SHOT_BYTES:
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.name, out)
         else:
             torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.name)
-            flat.copy_(staged)
+            out.copy_(staged)
         self.calls += 1
-        return x
+        return out.view(x.shape)
 
     def close(self) -> None:
         """Leave c10d's registry (the buffer stays: see the module's note)."""
