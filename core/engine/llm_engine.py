@@ -23,7 +23,7 @@ from kvforge.model.tokenizer_source import tokenizer_for
 from kvforge.outputs import RequestOutput
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.rank.executor import Executor, default_backend
-from kvforge.rank.memory_budget import release_device_memory
+from kvforge.rank.memory_budget import RELEASE_WAIT_S, release_device_memory
 from kvforge.rank.messages import (
     BatchState,
     CaptureCudaGraphs,
@@ -204,13 +204,16 @@ class LLMEngine:
     def release(self) -> None:
         """Shut down and give back all held on the device (weights, KV caches, graphs); the owner's, idempotent."""
         self.shutdown()
-        if getattr(self.executor, "driver", None) is not None:
-            self.executor.driver.release()
+        driver = getattr(self.executor, "driver", None)
+        if driver is not None:
+            driver.release()
         if self.spec is not None:
             self.spec.drafter.shutdown()
         self._pipeline.clear()  # steps in flight hold device tensors, as does the last one's output
         self.last_runner_output = ModelRunnerOutput()
-        release_device_memory(self.device)
+        # a driver stuck in a collective of a dead rank: its device's work never ends, do not wait for it
+        release_device_memory(self.device, wait_s=0.0 if not getattr(driver, "left_groups", True)
+                              else RELEASE_WAIT_S)
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +66,27 @@ def kv_cache_budget(device: torch.device, baseline: MemoryBaseline, peak_allocat
     return int(budget)
 
 
-def release_device_memory(device: torch.device) -> None:
+#: seconds :func:`release_device_memory` waits for the device's queued work
+RELEASE_WAIT_S = 5.0
+
+
+def release_device_memory(device: torch.device, wait_s: float = RELEASE_WAIT_S) -> bool:
     """Return the caching allocator's free blocks to the device once the last references are gone (a
-    reference cycle can hold a tensor until the next collection, so one is run first)."""
+    reference cycle can hold a tensor until the next collection, so one is run first) and the work
+    queued on the device has ended. Waits at most ``wait_s``: a step whose collective waits for a dead
+    rank never ends, and a blocking synchronize would hang the shutdown; False then (the blocks go back
+    at the process's exit)."""
     gc.collect()
-    if device.type == "cuda" and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return True
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + wait_s
+    while not done.query():
+        if time.monotonic() >= deadline:
+            logger.warning("%s still runs queued work after %.0f s (a collective waiting for a rank that is gone?): "
+                           "its cached memory goes back when the process exits", device, wait_s)
+            return False
+        time.sleep(0.001)
+    torch.cuda.empty_cache()
+    return True

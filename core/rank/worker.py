@@ -53,6 +53,9 @@ class Worker:
         config, mc = spec.config, spec.model_config
         self.device = spec.device_for(rank if local_rank is None else local_rank)
         self.memory_baseline: MemoryBaseline | None = None  # on CUDA: before anything of ours
+        #: False once :meth:`close` could not leave the process groups in time (a collective stuck on a
+        #: rank that is gone: the device's queued work never ends)
+        self.left_groups = True
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self.memory_baseline = MemoryBaseline.take(self.device)
@@ -109,7 +112,7 @@ class Worker:
             self.graphs = None
             if self.device.type == "cuda":
                 gc.collect()  # a graph held in a reference cycle is destroyed only by a collection
-        self.groups.leave(self.device)
+        self.left_groups = self.groups.leave(self.device)
 
     def release(self) -> None:
         """Drop everything this rank holds on its device: CUDA graphs and their memory pool, the KV cache,
