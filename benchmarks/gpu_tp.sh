@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_tp.sh 8b-vllm   dummy:llama-3-8b TP=2 with vLLM 0.26
 #   bash benchmarks/gpu_tp.sh scale     (2 or 4 GPUs) the all-reduce probe, then dummy:llama-3-8b TP=1, TP=2
 #                                       (also NCCL only, and a profile of each rank), PP=2, and TP=4 on 4 GPUs
+#   bash benchmarks/gpu_tp.sh rows      (2 or 4 GPUs) the scale rows alone: TP=1, TP=2, PP=2, TP=4 on 4 GPUs
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
@@ -35,6 +36,13 @@ case ${1:-8b} in
     run 150 --engine kvforge --preset llama-3-8b --tp 2 --w1 --batch1 --profile --trace-dir /tmp/tp2-trace
     python3 benchmarks/tp_trace_summary.py /tmp/tp2-trace 2>&1 | tee -a "$out/tp.txt"
     run 150 --engine kvforge --preset llama-3-8b --tp 2 --batch1 --engine-arg disable_custom_all_reduce=true
+    run 150 --engine kvforge --preset llama-3-8b --pp 2 --w1 --batch1
+    (( gpus >= 4 )) && run 150 --engine kvforge --preset llama-3-8b --tp 4 --w1 --batch1
+    true ;;
+  rows)  # (2 or 4 GPUs) the scale rows alone: TP=1, TP=2, PP=2, and TP=4 on 4 GPUs
+    gpus=$(nvidia-smi -L | wc -l)
+    run 150 --engine kvforge --preset llama-3-8b --tp 1 --w1 --batch1
+    run 150 --engine kvforge --preset llama-3-8b --tp 2 --w1 --batch1
     run 150 --engine kvforge --preset llama-3-8b --pp 2 --w1 --batch1
     (( gpus >= 4 )) && run 150 --engine kvforge --preset llama-3-8b --tp 4 --w1 --batch1
     true ;;

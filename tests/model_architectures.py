@@ -55,11 +55,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build(test_id: str, path: str, seed: int = 0) -> torch.nn.Module:
-    """Build the transformers model of ``CONFIGS[test_id]`` with every weight perturbed (norms, biases,
-    sinks and routers too, so that all of it is tested), save it to ``path``; returns it in float32."""
+def build(test_id: str, path: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Build the transformers model of ``CONFIGS[test_id]`` (config fields replaced by ``overrides``) with
+    every weight perturbed (norms, biases, sinks and routers too, so that all of it is tested), save it to
+    ``path``; returns it in float32."""
     model_type, fields = CONFIGS[test_id]
-    config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **fields})
+    config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **fields, **overrides})
     config._attn_implementation = "eager"  # soft-capping and sinks are eager-only in some versions
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
