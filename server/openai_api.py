@@ -264,9 +264,8 @@ class OpenAIServing:
                                    served.lora_request)
         created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream(self._chat_stream(started, rid, created, model, outputs, top, len(ids),
-                                                 include_usage, req.logprobs), started)
+                                                 _usage_mode(req), req.logprobs), started)
         finals: dict[int, dict] = {}
         n_gen = 0
         prompt_lps = None
@@ -303,13 +302,17 @@ class OpenAIServing:
                                     f"be combined with {constraint.field}", "tool_choice")
         return plan
 
-    async def _chat_stream(self, started, rid, created, model, outputs, top, prompt_len, include_usage,
+    async def _chat_stream(self, started, rid, created, model, outputs, top, prompt_len, usage_mode,
                            want_logprobs) -> AsyncGenerator[str, None]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        for i in range(len(outputs)):
-            yield sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
+        include_usage, every_chunk = usage_mode
         n_gen = 0
+
+        def chunk(body: dict) -> str:  # with continuous_usage_stats: the usage so far on every chunk
+            return sse(head | body | ({"usage": _usage(prompt_len, n_gen)} if every_chunk else {}))
+        for i in range(len(outputs)):
+            yield chunk({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]})
         async for _, out in self.merged(started):
             choices = []
             for c in out.outputs:
@@ -323,7 +326,7 @@ class OpenAIServing:
                     choices.append({"index": c.index, "delta": delta, "logprobs": lp,
                                     "finish_reason": output.finish_reason(c.finish_reason)})
             if choices:
-                yield sse(head | {"choices": choices})
+                yield chunk({"choices": choices})
         if include_usage:
             yield sse(head | {"choices": [], "usage": _usage(prompt_len, n_gen)})
         yield "data: [DONE]\n\n"
@@ -398,9 +401,8 @@ class OpenAIServing:
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream(self._completion_stream(started, head, req, texts, prompts, prompt_tokens,
-                                                       include_usage), started)
+                                                       _usage_mode(req)), started)
         finals: dict[int, dict] = {}
         n_gen = 0
         async for i, out in self.merged(started):
@@ -443,7 +445,8 @@ class OpenAIServing:
             await gen.aclose()
 
     async def _completion_stream(self, started, head, req, texts, prompts, prompt_tokens,
-                                 include_usage) -> AsyncGenerator[str, None]:
+                                 usage_mode) -> AsyncGenerator[str, None]:
+        include_usage, every_chunk = usage_mode
         n_gen = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # text offset reached by each choice
@@ -466,7 +469,8 @@ class OpenAIServing:
                     offsets[idx] = base + sum(len(t) for t in lp["tokens"])
                 choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             if choices:
-                yield sse(head | {"choices": choices})
+                usage = {"usage": _usage(prompt_tokens, n_gen)} if every_chunk else {}
+                yield sse(head | {"choices": choices} | usage)
         if include_usage:
             yield sse(head | {"choices": [], "usage": _usage(prompt_tokens, n_gen)})
         yield "data: [DONE]\n\n"
@@ -509,6 +513,14 @@ def _prompt_logprobs_json(entries: list | None) -> list | None:
         return None
     return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
                                     for t, v in e.items()} for e in entries]
+
+
+def _usage_mode(req: SamplingRequest) -> tuple[bool, bool]:
+    """(a usage chunk at the end, the usage so far on every chunk too): ``stream_options``'
+    ``include_usage`` and vLLM's ``continuous_usage_stats`` (which needs ``include_usage``, as in vLLM)."""
+    so = req.stream_options
+    include = bool(so and so.include_usage)
+    return include, include and bool(so and so.continuous_usage_stats)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

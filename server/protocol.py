@@ -31,9 +31,6 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "prediction": ("predicted outputs are not supported", None),
     "web_search_options": ("web search is not supported", None),
     "reasoning_effort": ("reasoning controls are not supported", None),
-    "store": ("kvforge stores no completions", False),
-    "metadata": ("kvforge stores no completions, so it keeps no metadata", None),
-    "service_tier": ("kvforge has one service tier", None),
     "suffix": ("suffix (insertion) is not supported", None),
 }
 
@@ -51,8 +48,28 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+#: OpenAI's JSON mode (``response_format`` / Responses ``text.format`` of type ``json_object``): a JSON
+#: object, as OpenAI returns (vLLM's ``structured_outputs.json_object`` admits any JSON value)
+JSON_MODE_SCHEMA: dict[str, Any] = {"type": "object"}
+
+#: fields of the OpenAI request types that cannot change this server's output: accepted (any value of
+#: their type) and otherwise ignored; docs/server.md lists them with these reasons
+WITHOUT_EFFECT: dict[str, str] = {
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring; kvforge has none",
+    "prompt_cache_key": "a routing hint for OpenAI's prompt cache; kvforge's prefix cache needs none",
+    "metadata": "tags of a stored completion; kvforge stores none",
+    "store": "asks OpenAI to store the completion for its dashboards; kvforge stores none",
+    "service_tier": "OpenAI's processing tier; kvforge has one",
+}
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
+    # OpenAI pads stream chunks with random characters against length side channels; a local server
+    # sends none (accepted without effect)
+    include_obfuscation: bool | None = None
 
 
 class JSONSchemaFormat(_Body):
@@ -123,9 +140,12 @@ class _Sampling(_Body):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
-    store: Any = None
-    metadata: Any = None
-    service_tier: Any = None
+    # accepted without effect (WITHOUT_EFFECT)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @field_validator(*(name for name in REFUSED if name != "suffix"), mode="before")
     @classmethod
@@ -152,7 +172,7 @@ class _Sampling(_Body):
         """The output constraint, if any, and the field that asked for it."""
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
-            return Constraint(StructuredOutputsParams(json_object=True), "response_format")
+            return Constraint(StructuredOutputsParams(json=JSON_MODE_SCHEMA), "response_format")
         if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
                 raise ValueError("response_format: json_schema is required when type is json_schema")
@@ -231,7 +251,12 @@ class ChatMessage(_Body):
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: str | None = None  # an assistant's earlier reasoning (templates such as Qwen3's read it)
-    refusal: None = None  # OpenAI's assistant refusal: accepted as null (clients echo it), never set
+    # what an SDK's own reply carries when a chat loop sends it back (``message.model_dump()``): accepted
+    # on assistant messages without effect; a refusal's text or an audio reply cannot be replayed
+    refusal: None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -239,7 +264,7 @@ class ChatMessage(_Body):
             raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError(f"tool_call_id belongs to tool messages, not {self.role!r} ones")
-        for name in ("tool_calls", "reasoning_content"):
+        for name in ("tool_calls", "reasoning_content", "annotations"):
             if getattr(self, name) and self.role != "assistant":
                 raise ValueError(f"{name} belongs to assistant messages, not {self.role!r} ones")
         for call in self.tool_calls or []:
@@ -284,6 +309,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)  # the engine's max_logprobs bounds it
     add_generation_prompt: bool = True
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
+    # GPT-5's answer length; accepted without effect (a chat template has no such control)
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]

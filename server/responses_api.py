@@ -25,7 +25,7 @@ from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, bad_request_from_value_error
-from kvforge.server.protocol import Constraint
+from kvforge.server.protocol import JSON_MODE_SCHEMA, Constraint
 from kvforge.server.response_store import ResponseStore, StoredResponse, json_bytes
 from kvforge.server.responses_protocol import (
     ITEM,
@@ -158,7 +158,7 @@ def _tool_plan(req: ResponsesRequest, options: ToolOptions) -> ToolPlan:
 def _format_constraint(req: ResponsesRequest) -> Constraint | None:
     fmt = req.text_format()
     if isinstance(fmt, TextFormatJSONObject):
-        return Constraint(StructuredOutputsParams(json_object=True), "text.format")
+        return Constraint(StructuredOutputsParams(json=JSON_MODE_SCHEMA), "text.format")
     if isinstance(fmt, TextFormatJSONSchema):
         return Constraint(StructuredOutputsParams(json=fmt.schema_), "text.format")
     return None

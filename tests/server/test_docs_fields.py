@@ -3,7 +3,7 @@ those tables to the request models, so the doc cannot drift from the code again.
 import re
 from pathlib import Path
 
-from kvforge.server.protocol import REFUSED, ChatCompletionRequest, CompletionRequest
+from kvforge.server.protocol import REFUSED, WITHOUT_EFFECT, ChatCompletionRequest, CompletionRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 
@@ -27,15 +27,19 @@ def test_the_refused_table_is_the_refused_fields():
     assert table("refused") == list(REFUSED)
 
 
+def test_the_without_effect_table_is_the_fields_accepted_without_effect():
+    assert table("without-effect") == list(WITHOUT_EFFECT)
+
+
 def test_chat_fields_are_documented_as_honoured_or_refused():
-    documented = table("sampling") + table("chat")
+    documented = table("sampling") + table("chat") + table("without-effect")
     assert len(documented) == len(set(documented))
     assert set(documented) == fields(ChatCompletionRequest) - set(REFUSED)
     assert fields(ChatCompletionRequest) & set(REFUSED) <= set(table("refused"))
 
 
 def test_completion_fields_are_documented_as_honoured_or_refused():
-    documented = table("sampling") + table("completions")
+    documented = table("sampling") + table("completions") + table("without-effect")
     assert set(documented) == fields(CompletionRequest) - set(REFUSED)
     assert fields(CompletionRequest) & set(REFUSED) == set(REFUSED)  # suffix too
 

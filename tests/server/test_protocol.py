@@ -27,7 +27,7 @@ def test_the_constraint_names_the_field_that_asked_for_it():
     found = ChatCompletionRequest(messages=ask, guided_regex="a+").structured()
     assert isinstance(found, Constraint) and found.field == "guided_regex" and found.params.regex == "a+"
     found = ChatCompletionRequest(messages=ask, response_format={"type": "json_object"}).structured()
-    assert found is not None and found.field == "response_format" and found.params.json_object
+    assert found is not None and found.field == "response_format" and found.params.json == {"type": "object"}
 
 
 def test_only_required_and_named_choices_constrain_and_only_auto_has_a_parser():
