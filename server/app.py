@@ -202,6 +202,14 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
     async def list_models():
         return {"object": "list", "data": [m.card() for m in models.list()]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        for m in models.list():
+            card = m.card()
+            if card["id"] == model_id:
+                return card
+        return error_response(404, f"The model `{model_id}` does not exist.", "model", code="model_not_found")
+
     @app.get("/health")
     async def health():
         down = [f"{first_name[id(e)]}: {e.error!r}" for e in all_engines if not e.is_running]

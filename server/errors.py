@@ -71,6 +71,12 @@ async def handle_validation_error(request: Request, exc: RequestValidationError)
 
 
 async def handle_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown route, wrong method...) in OpenAI's shape, not ``{"detail": ...}``."""
-    return error_response(exc.status_code, str(exc.detail), None,
+    """Starlette's own errors (unknown route, wrong method...) in OpenAI's shape, not ``{"detail": ...}``;
+    an unknown route's names it."""
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"{request.method} {request.url.path}: no such route (docs/server.md lists the endpoints)"
+    elif exc.status_code == 405:
+        message = f"{request.method} {request.url.path}: method not allowed"
+    return error_response(exc.status_code, message, None,
                           code="not_found" if exc.status_code == 404 else None, headers=exc.headers)

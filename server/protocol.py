@@ -233,6 +233,13 @@ class TextPart(_Body):
     text: str
 
 
+class ImagePart(_Body):
+    """An ``image_url`` content part: parsed so that its 400 says what is wrong (no model served here
+    takes images yet), not that the part is not text."""
+    type: Literal["image_url"]
+    image_url: dict[str, Any] | str
+
+
 class ToolCallFunction(_Body):
     name: str
     arguments: str  # JSON text of an object
@@ -246,7 +253,7 @@ class AssistantToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None  # passed to the chat template with the message
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -257,6 +264,13 @@ class ChatMessage(_Body):
     annotations: list[dict[str, Any]] | None = None
     audio: None = None
     function_call: None = None
+
+    @field_validator("content")
+    @classmethod
+    def _no_images(cls, v):
+        if isinstance(v, list) and any(isinstance(p, ImagePart) for p in v):
+            raise ValueError("an image_url part, but this model takes no images (text parts only)")
+        return v
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -281,7 +295,7 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def template_dict(self) -> dict[str, object]:
         """The message as the chat template gets it: calls with their arguments as objects (as vLLM

@@ -1,12 +1,15 @@
 """What clients send unchanged (issue 38): the SDK's own reply echoed back in a chat loop, current OpenAI
-fields that cannot change this server's output, vLLM's continuous usage stats, and OpenAI's JSON mode,
-which yields an object. Against the tiny session server with the official openai client."""
+fields that cannot change this server's output, vLLM's continuous usage stats, OpenAI's JSON mode (an
+object), a model retrieved by id, and clear 404s and 400s for unknown routes and image parts. Against the
+tiny session server with the official openai client."""
 from __future__ import annotations
 
 import json
 
 import openai
 import pytest
+
+from conftest import API_KEY, http
 
 ASK = [{"role": "user", "content": "Tell me a joke about cats as JSON with keys setup and punchline"}]
 
@@ -63,3 +66,25 @@ def test_json_mode_gives_an_object_even_where_the_model_prefers_an_array(client,
     assert text.lstrip().startswith("{"), text
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404(client):
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and "no-such-model" in err.value.body["message"]
+
+
+def test_an_unknown_route_is_an_openai_shaped_404_naming_it(server):
+    r = http().get(f"{server.url}/v1/nothing/here", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["code"] == "not_found" and "GET /v1/nothing/here: no such route" in error["message"]
+
+
+def test_an_image_part_is_a_400_saying_the_model_takes_no_images(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+    assert "this model takes no images" in str(err.value)
