@@ -204,11 +204,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        for m in models.list():
-            card = m.card()
-            if card["id"] == model_id:
-                return card
-        return error_response(404, f"The model `{model_id}` does not exist.", "model", code="model_not_found")
+        return models.resolve(model_id).card()  # an unknown id: resolve's 404 model_not_found
 
     @app.get("/health")
     async def health():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from kvforge.server.errors import APIError, bad_request_from_value_error, error_
 from kvforge.server.metrics import ModelMetrics
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from kvforge.server.request_id import current_request
+from kvforge.server.response_json import prompt_logprobs_json, sse, top_dict, usage, usage_mode
 from kvforge.server.tools import ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
 
@@ -46,10 +46,6 @@ SamplingRequest = Union[ChatCompletionRequest, CompletionRequest]
 RENDER_TIMEOUT_S = 10.0
 #: a text longer than this many times (longest token in characters x max_model_len) is refused untokenized
 _CHARS_SLACK = 4
-
-
-def sse(obj: object) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class OpenAIServing:
@@ -265,7 +261,7 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             return self.stream(self._chat_stream(started, rid, created, model, outputs, top, len(ids),
-                                                 _usage_mode(req), req.logprobs), started)
+                                                 usage_mode(req), req.logprobs), started)
         finals: dict[int, dict] = {}
         n_gen = 0
         prompt_lps = None
@@ -284,9 +280,9 @@ class OpenAIServing:
             choices.append({"index": i, "message": message, "logprobs": {"content": f["logprobs"]} if req.logprobs
                             else None, "finish_reason": outputs[i].finish_reason(f["finish"])})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(len(ids), n_gen)}
+                "choices": choices, "usage": usage(len(ids), n_gen)}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = _prompt_logprobs_json(prompt_lps)
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
         return JSONResponse(body)
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
@@ -302,14 +298,14 @@ class OpenAIServing:
                                     f"be combined with {constraint.field}", "tool_choice")
         return plan
 
-    async def _chat_stream(self, started, rid, created, model, outputs, top, prompt_len, usage_mode,
+    async def _chat_stream(self, started, rid, created, model, outputs, top, prompt_len, usage_flags,
                            want_logprobs) -> AsyncGenerator[str, None]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        include_usage, every_chunk = usage_mode
+        include_usage, every_chunk = usage_flags
         n_gen = 0
 
         def chunk(body: dict) -> str:  # with continuous_usage_stats: the usage so far on every chunk
-            return sse(head | body | ({"usage": _usage(prompt_len, n_gen)} if every_chunk else {}))
+            return sse(head | body | ({"usage": usage(prompt_len, n_gen)} if every_chunk else {}))
         for i in range(len(outputs)):
             yield chunk({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]})
@@ -328,7 +324,7 @@ class OpenAIServing:
             if choices:
                 yield chunk({"choices": choices})
         if include_usage:
-            yield sse(head | {"choices": [], "usage": _usage(prompt_len, n_gen)})
+            yield sse(head | {"choices": [], "usage": usage(prompt_len, n_gen)})
         yield "data: [DONE]\n\n"
 
     def _chat_logprob(self, token_id: int, lps: dict, top: int) -> dict:
@@ -402,7 +398,7 @@ class OpenAIServing:
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         if req.stream:
             return self.stream(self._completion_stream(started, head, req, texts, prompts, prompt_tokens,
-                                                       _usage_mode(req)), started)
+                                                       usage_mode(req)), started)
         finals: dict[int, dict] = {}
         n_gen = 0
         async for i, out in self.merged(started):
@@ -424,9 +420,9 @@ class OpenAIServing:
                                                f["out"] if req.echo else None, prompts[idx // req.n])
             choice = {"index": idx, "text": f["text"], "logprobs": lp, "finish_reason": f["finish"]}
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(f["out"].prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(f["out"].prompt_logprobs)
             choices.append(choice)
-        return JSONResponse(head | {"choices": choices, "usage": _usage(prompt_tokens, n_gen)})
+        return JSONResponse(head | {"choices": choices, "usage": usage(prompt_tokens, n_gen)})
 
     @staticmethod
     async def _guarded(gen: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
@@ -445,8 +441,8 @@ class OpenAIServing:
             await gen.aclose()
 
     async def _completion_stream(self, started, head, req, texts, prompts, prompt_tokens,
-                                 usage_mode) -> AsyncGenerator[str, None]:
-        include_usage, every_chunk = usage_mode
+                                 usage_flags) -> AsyncGenerator[str, None]:
+        include_usage, every_chunk = usage_flags
         n_gen = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # text offset reached by each choice
@@ -469,10 +465,10 @@ class OpenAIServing:
                     offsets[idx] = base + sum(len(t) for t in lp["tokens"])
                 choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             if choices:
-                usage = {"usage": _usage(prompt_tokens, n_gen)} if every_chunk else {}
-                yield sse(head | {"choices": choices} | usage)
+                so_far = {"usage": usage(prompt_tokens, n_gen)} if every_chunk else {}
+                yield sse(head | {"choices": choices} | so_far)
         if include_usage:
-            yield sse(head | {"choices": [], "usage": _usage(prompt_tokens, n_gen)})
+            yield sse(head | {"choices": [], "usage": usage(prompt_tokens, n_gen)})
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, ids, lps, top, echo_out, prompt) -> dict:
@@ -483,11 +479,11 @@ class OpenAIServing:
                 entry = echo_out.prompt_logprobs[pos] if pos < len(echo_out.prompt_logprobs) else None
                 tokens.append(tok.decode([t]) if tok is not None else "")
                 token_lps.append(entry[t].logprob if entry else None)
-                tops.append(_top_dict(entry, top) if entry else None)
+                tops.append(top_dict(entry, top) if entry else None)
         for t, entry in zip(ids, lps):
             tokens.append(entry[t].decoded_token or "")
             token_lps.append(entry[t].logprob)
-            tops.append(_top_dict(entry, top))
+            tops.append(top_dict(entry, top))
         offsets, pos = [], 0
         for s in tokens:
             offsets.append(pos)
@@ -501,28 +497,3 @@ async def _close(stream: AsyncIterator[RequestOutput]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
-
-
-def _top_dict(entry: dict, top: int) -> dict:
-    return {(v.decoded_token or ""): v.logprob for _, v in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:top]}
-
-
-def _prompt_logprobs_json(entries: list | None) -> list | None:
-    """vLLM's shape: one entry per prompt token (the first ``None``), token id -> logprob, rank, text."""
-    if entries is None:
-        return None
-    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
-                                    for t, v in e.items()} for e in entries]
-
-
-def _usage_mode(req: SamplingRequest) -> tuple[bool, bool]:
-    """(a usage chunk at the end, the usage so far on every chunk too): ``stream_options``'
-    ``include_usage`` and vLLM's ``continuous_usage_stats`` (which needs ``include_usage``, as in vLLM)."""
-    so = req.stream_options
-    include = bool(so and so.include_usage)
-    return include, include and bool(so and so.continuous_usage_stats)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

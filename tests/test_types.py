@@ -155,6 +155,7 @@ CHECKED = [
     "server/openai_api.py",
     "server/protocol.py",
     "server/request_id.py",
+    "server/response_json.py",
     "server/responses_api.py",
     "server/tools.py",
     "builder.py",

@@ -24,6 +24,7 @@ pool can hand ranks mismatched slots when one is freed and reused): ``max_bytes`
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, cast
 
 import torch
@@ -75,9 +76,7 @@ class PeerAllReduce:
         """The buffer itself as a tensor of ``shape`` and ``dtype``, for a producer to write a message
         into (``RowParallelLinear``'s matmul), saving the copy in; None if such a message does not take
         this path. Pass it to :meth:`__call__` before anything else is reduced."""
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if dtype not in DTYPES or not 0 < numel * dtype.itemsize <= self.max_bytes:
             return None
         return self.buffer.view(dtype)[:numel].view(shape)
