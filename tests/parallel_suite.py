@@ -5,7 +5,7 @@ waits (a server or rank process starting, a Python importing torch, a client wai
 installs it) and no CUDA device is present (the GPU suite runs in one process on one card). A file's tests
 stay on one worker, so the module-scoped engines and servers are built once; the files that check their
 kernels in one shared Triton-interpreter run (``run_in_triton_interpreter``) go to the same worker, so that
-run happens once. ``-n 0`` (or ``KVFORGE_TEST_WORKERS=0``) runs in one process; ``-n N`` as pytest-xdist says.
+run happens once; the files that start local Ray clusters go to one worker too. ``-n 0`` (or ``KVFORGE_TEST_WORKERS=0``) runs in one process; ``-n N`` as pytest-xdist says.
 Fixtures that write outside a test's own directory (installing the dummy plugin package, assembling the
 Gemma 3 GGUF) hold ``interprocess_lock`` while they do.
 """
@@ -19,8 +19,10 @@ from typing import Iterator
 
 #: workers of a whole-suite run (CI's cores)
 WORKERS = 2
-#: the text that marks a test file whose tests re-run in the shared Triton-interpreter run
-INTERPRETER_MARK = "run_in_triton_interpreter"
+#: text in a test file -> the work unit of every file holding it: the files that re-run in the shared
+#: Triton-interpreter run, and the files that start local Ray clusters (a ``ray.init()`` joins whichever
+#: cluster on the node wrote Ray's address file last, so two of them must not run side by side)
+UNIT_MARKS = {"run_in_triton_interpreter": "triton-interpreter", 'importorskip("ray")': "ray"}
 
 
 def configure(config) -> None:
@@ -40,26 +42,26 @@ def configure(config) -> None:
 
 
 def scheduler(config, log):
-    """With ``--dist loadfile``: pytest-xdist's file-by-file scheduling, with every interpreter-run file in
-    one work unit; None (pytest-xdist's own) otherwise."""
+    """With ``--dist loadfile``: pytest-xdist's file-by-file scheduling, with the files of each of
+    ``UNIT_MARKS``'s units in one work unit; None (pytest-xdist's own) otherwise."""
     from xdist.scheduler import LoadFileScheduling
 
     if config.option.dist != "loadfile":
         return None
 
     class FileScheduling(LoadFileScheduling):
-        _marked: dict[str, bool] = {}
+        _units: dict[str, str] = {}
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            if path not in self._marked:
-                full = os.path.join(str(config.rootpath), path)
+            if path not in self._units:
                 try:
-                    with open(full, encoding="utf-8") as f:
-                        self._marked[path] = INTERPRETER_MARK in f.read()
+                    with open(os.path.join(str(config.rootpath), path), encoding="utf-8") as f:
+                        text = f.read()
                 except OSError:
-                    self._marked[path] = False
-            return "triton-interpreter" if self._marked[path] else path
+                    text = ""
+                self._units[path] = next((unit for mark, unit in UNIT_MARKS.items() if mark in text), path)
+            return self._units[path]
 
     return FileScheduling(config, log)
 

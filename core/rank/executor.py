@@ -143,10 +143,6 @@ class UniExecutor(Executor):
         return self.driver.execute(step, prev_tokens, prompt_sink)
 
 
-#: written by ``ray start`` while a Ray cluster runs on this node (removed by ``ray stop``)
-RAY_CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
-
-
 def start_driver(spec: WorkerSpec, watch: Callable[[], bool]) -> Worker:
     """Build the driver ``Worker`` (joining the ranks' rendezvous, loading its shard) in a thread, calling
     ``watch()`` every 0.1 s meanwhile and until it returns True: it raises ``WorkerFailure`` for a remote
@@ -197,12 +193,13 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
 
 
 def default_backend(world_size: int, device: torch.device) -> str:
-    """vLLM's rule: ``uni`` for one rank; ``ray`` when a Ray cluster is already running (this process is
-    connected to one, ``RAY_ADDRESS`` is set, or ``ray start`` ran on this node) or the world is larger
-    than this node's devices; else ``mp``."""
+    """vLLM's rule: ``uni`` for one rank; ``ray`` when this process is told to use Ray (it is connected to a
+    cluster, or ``RAY_ADDRESS`` names one) or the world is larger than this node's devices; else ``mp``.
+    A cluster merely running on the node (``ray start``, another program's ``ray.init``) does not choose
+    Ray: its address file outlives a crashed cluster, and another user's cluster is not this engine's."""
     if world_size == 1:
         return "uni"
-    if os.environ.get("RAY_ADDRESS") or _ray_initialized() or os.path.exists(RAY_CLUSTER_FILE):
+    if os.environ.get("RAY_ADDRESS") or _ray_initialized():
         return "ray"
     if device.type == "cuda" and world_size > torch.cuda.device_count():
         return "ray"

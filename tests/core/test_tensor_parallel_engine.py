@@ -159,6 +159,27 @@ def test_ray_not_installed_is_named(monkeypatch):
         LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
 
 
+def test_the_default_backend_is_ray_only_when_told_or_the_node_is_too_small(monkeypatch, tmp_path):
+    """A Ray cluster another program runs on this node (its address file in the system temp dir) does
+    not make the ranks Ray actors; ``RAY_ADDRESS`` or a connected process does."""
+    import sys
+
+    import torch
+
+    from kvforge.rank.executor import default_backend
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)
+    cluster_file = tmp_path / "ray" / "ray_current_cluster"
+    cluster_file.parent.mkdir()
+    cluster_file.write_text("127.0.0.1:6379")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where Ray's address file would say a cluster runs
+    cpu = torch.device("cpu")
+    assert (default_backend(1, cpu), default_backend(2, cpu)) == ("uni", "mp")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert default_backend(2, cpu) == "ray"
+
+
 def test_speculative_decoding_under_tp2_keeps_the_tokens(default_llm):
     """ngram drafts verified by the rejection sampler on the driver's logits (all ranks run the
     verification rows' forward and logits)."""
