@@ -108,7 +108,7 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     max_tokens = serving.max_tokens(len(ids), req.max_output_tokens, "input")
     try:
         params = SamplingParams(temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
-                                max_tokens=max_tokens,
+                                max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
                                 structured_outputs=constraint.params if constraint is not None else None)
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None

@@ -40,10 +40,8 @@ RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
     "include": ("kvforge has no extra output data to include (no logprobs, no encrypted reasoning)", []),
     "max_tool_calls": ("kvforge runs no built-in tools, so it counts no tool calls", None),
     "prompt": ("stored prompt templates are not supported: send input and instructions", None),
-    "prompt_cache_key": ("kvforge's prefix cache is keyed by the prompt itself (--enable-prefix-caching)", None),
     "prompt_cache_retention": ("kvforge's prefix cache has no retention setting", None),
     "prompt_cache_options": ("kvforge's prefix cache has no options per request", None),
-    "service_tier": ("kvforge has one service tier", None),
     "top_logprobs": ("log probabilities are not returned by the Responses API yet: use /v1/chat/completions", 0),
     "truncation": ("kvforge never drops input to fit the context: a too-long input is a 400", "disabled"),
     "moderation": ("moderation is not supported", None),
@@ -273,6 +271,11 @@ class ResponsesRequest(_Body):
     metadata: dict[StrictStr, StrictStr] | None = None
     user: str | None = None  # written in the server's log line, as with chat
     safety_identifier: str | None = None  # OpenAI's successor of user: logged the same way
+    prompt_cache_key: str | None = None  # accepted without effect: the prefix cache needs no routing hint
+    service_tier: str | None = None  # accepted without effect: kvforge has one tier
+    # vLLM's sampling extras that benchmark clients (guidellm) send here too: honoured
+    stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: bool = False
     reasoning: dict[str, Any] | None = None  # accepted only without settings (all values null)
     # the refused Responses fields (see RESPONSES_REFUSED): declared so that each one's 400 names it
     background: Any = None
@@ -282,10 +285,8 @@ class ResponsesRequest(_Body):
     include: Any = None
     max_tool_calls: Any = None
     prompt: Any = None
-    prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    service_tier: Any = None
     top_logprobs: Any = None
     truncation: Any = None
     moderation: Any = None

@@ -88,3 +88,15 @@ def test_an_image_part_is_a_400_saying_the_model_takes_no_images(client):
         client.chat.completions.create(model="tiny", max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     assert "this model takes no images" in str(err.value)
+
+
+def test_responses_take_what_guidellm_sends_and_honour_stop_and_ignore_eos(client):
+    common = dict(model="tiny", input="Once upon a time", temperature=0, max_output_tokens=12)
+    full = client.responses.create(**common, service_tier="auto", prompt_cache_key="k",
+                                   extra_body={"stop": None, "ignore_eos": True})
+    assert full.usage.output_tokens == 12, full
+    text = full.output_text
+    cut = text[len(text) // 2:len(text) // 2 + 2]  # (the tiny model's text: whatever it is, greedy)
+    stopped = client.responses.create(**common, extra_body={"stop": [cut], "ignore_eos": True})
+    assert cut not in stopped.output_text and text.startswith(stopped.output_text)
+    assert stopped.usage.output_tokens < 12
