@@ -31,6 +31,7 @@ from starlette.types import ASGIApp
 import kvforge
 from kvforge.engine.client import EngineClient
 from kvforge.errors import EngineDeadError, RequestFailedError
+from kvforge.server.anthropic_api import add_anthropic_routes
 from kvforge.server.auth import ApiKeyAuth
 from kvforge.server.body_limits import DEFAULT_BODY_TIMEOUT_S, BodyLimits
 from kvforge.server.disconnect import until_disconnect
@@ -48,6 +49,7 @@ from kvforge.server.models import ServedModel, ServedModels
 from kvforge.server.openai_api import OpenAIServing
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvforge.server.readiness import Admission, Readiness
+from kvforge.server.request_fields import FieldPolicy
 from kvforge.server.request_id import REQUEST_ID_HEADER, RequestContext
 from kvforge.server.response_store import MAX_STORED_BYTES, ResponseStore
 from kvforge.server.responses_api import add_responses_routes
@@ -90,7 +92,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
                allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None,
                cors: CorsOptions | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               responses_store_bytes: int = MAX_STORED_BYTES) -> FastAPI:
+               responses_store_bytes: int = MAX_STORED_BYTES, strict_request_fields: bool = False) -> FastAPI:
     """Build the app around started-or-not engines; the app's lifespan starts and stops them.
 
     One model: ``create_app(engine, ["name", "alias"])``. Several: ``create_app([(engine_a, ["a"]),
@@ -102,6 +104,8 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
     ``cors``: answer browsers' cross-origin requests (None: no CORS headers at all).
     ``body_timeout_s``: how long a request body may take to arrive whole (408 after it).
     ``responses_store_bytes``: the byte bound of the stored Responses API responses.
+    ``strict_request_fields``: a field outside the API is a 400 naming it, not a warning and a count
+    (``server/request_fields.py``).
     The app's ``state.readiness`` is the :class:`Readiness` that ``/ready`` reports and a drain uses.
     """
     pairs: list[EngineNames]
@@ -113,7 +117,8 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
         pairs = [(engines, served_names)]
     else:
         raise TypeError("create_app(engine, served_names) or create_app([(engine, served_names), ...])")
-    metrics = ServerMetrics()
+    fields = FieldPolicy(strict_request_fields)
+    metrics = ServerMetrics(ignored_fields=fields.ignored)
     models = ServedModels()
     first_name: dict[int, str] = {}  # id(engine) -> its first served name, for logs and /health
     for engine, names in pairs:
@@ -164,8 +169,9 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
     app.state.models, app.state.metrics = models, metrics
     readiness = app.state.readiness = Readiness()
     adapters = app.state.lora_adapters = LoRAAdapters(models)
-    add_lora_routes(app, adapters, allow_runtime_lora_updating)
-    add_responses_routes(app, models, ResponseStore(max_bytes=responses_store_bytes))
+    add_lora_routes(app, adapters, allow_runtime_lora_updating, fields)
+    add_responses_routes(app, models, ResponseStore(max_bytes=responses_store_bytes), fields)
+    add_anthropic_routes(app, models, fields)
     # the decorator form: Starlette types add_exception_handler's handler for any Exception
     app.exception_handler(APIError)(handle_api_error)
     app.exception_handler(RequestValidationError)(handle_validation_error)
@@ -190,11 +196,13 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        fields.screen(req)
         served = models.resolve(req.model)
         return await until_disconnect(request, served.serving.chat(req, served))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        fields.screen(req)
         served = models.resolve(req.model)
         return await until_disconnect(request, served.serving.completions(req, served))
 
@@ -235,6 +243,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
+        fields.screen(req)
         serving = models.resolve(req.model).serving
         if req.messages is not None and req.prompt is None:
             text = await serving.render_chat(req.messages, req.add_generation_prompt, None)
@@ -247,6 +256,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
+        fields.screen(req)
         tok = models.resolve(req.model).serving.tokenizer()
         vocab = len(tok)
         bad = [t for t in req.tokens if not 0 <= t < vocab]

@@ -93,6 +93,9 @@ def add_protection_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of stored Responses API responses kept in memory (their JSON, each with its whole "
                         "conversation); the oldest are dropped past it, and a store=true request whose "
                         "conversation alone is larger is a 400 naming input (256 MiB)")
+    p.add_argument("--strict-request-fields", action="store_true",
+                   help="a request field outside the API is a 400 naming it (default: accepted, logged as a "
+                        "warning and counted in kvforge:ignored_request_fields_total, as vLLM accepts it)")
     p.add_argument("--engine-step-timeout", type=float, default=None, metavar="SECONDS",
                    help="an engine step (or, idle, a heartbeat) that takes longer marks the engine dead: "
                         "streams get an error, /health 503, the server drains and exits 1 (120)")
@@ -347,7 +350,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        trust_request_chat_template=args.trust_request_chat_template, max_request_body_bytes=max_body,
                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                        tool_options=tool_options, cors=cors, body_timeout_s=body_timeout,
-                       responses_store_bytes=args.max_responses_store_bytes or MAX_STORED_BYTES)
+                       responses_store_bytes=args.max_responses_store_bytes or MAX_STORED_BYTES,
+                       strict_request_fields=args.strict_request_fields)
     try:
         return _serve(args, configs, app_options, root_path, sockets, responder)
     finally:

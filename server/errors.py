@@ -1,6 +1,14 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Error bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, and Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` for a request to the Messages API's routes
+(``ANTHROPIC_PREFIX``, ``server/anthropic_api.py``).
+
+The shape follows the path of the request being handled (``RequestContext``'s, ``server/request_id.py``),
+so that every error of those routes is Anthropic's whoever answers it: a handler, the API key check, the
+body limits, admission.
+"""
 from __future__ import annotations
 
+import json
 import re
 from typing import Mapping
 
@@ -19,13 +27,48 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
 
+#: the routes whose errors take Anthropic's shape: /v1/messages and what is under it
+ANTHROPIC_PREFIX = "/v1/messages"
+#: Anthropic's error type by status; any other is an invalid_request_error below 500, else an api_error
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error object, its type following the status."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _anthropic_request() -> bool:
+    from kvforge.server.request_id import current_request  # NOTE: here: request_id imports this module (asgi's)
+
+    info = current_request()
+    return info is not None and anthropic_route(info.path)
+
+
 def error_body(status: int, message: str, param: str | None = None, type: str | None = None,
                code: str | None = None) -> dict:
-    """OpenAI's error object; ``type`` follows the status when not given."""
+    """OpenAI's error object, ``type`` following the status when not given; Anthropic's
+    (:func:`anthropic_error_body`) while a request to the Messages API's routes is handled."""
+    if _anthropic_request():
+        return anthropic_error_body(status, message)
     if type is None:
         type = "invalid_request_error" if status < 500 else (
             "service_unavailable" if status == 503 else "internal_server_error")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_event(status: int, message: str, type: str | None = None) -> str:
+    """The server-sent event that ends a started stream with an error: OpenAI's ``data:`` event and
+    ``[DONE]``, or, on the Messages API's routes, Anthropic's ``event: error``."""
+    body = json.dumps(error_body(status, message, type=type))
+    return f"event: error\ndata: {body}\n\n" if _anthropic_request() else f"data: {body}\n\ndata: [DONE]\n\n"
 
 
 def error_response(status: int, message: str, param: str | None = None, type: str | None = None,
@@ -61,8 +104,6 @@ async def handle_validation_error(request: Request, exc: RequestValidationError)
     kind = first.get("type")
     if kind == "value_error":
         msg = msg.removeprefix("Value error, ")
-    elif kind == "extra_forbidden":
-        msg = "unknown field (docs/server.md lists the fields kvforge accepts)"
     if param:
         msg = f"{param}: {msg}"
     if kind == "missing":

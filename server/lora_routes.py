@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
 
 from kvforge.lora.request import LoRARequest
 from kvforge.server.errors import APIError
 from kvforge.server.models import ServedModel, ServedModels
+from kvforge.server.request_fields import FieldPolicy, RequestBody
 
 logger = logging.getLogger("kvforge.server")
 
@@ -52,15 +52,13 @@ def parse_lora_module(text: str) -> LoRAModule:
     return LoRAModule(name, path)
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoadLoRAAdapterRequest(RequestBody):
     lora_name: str
     lora_path: str
     base_model_name: str | None = None
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UnloadLoRAAdapterRequest(RequestBody):
     lora_name: str
     lora_int_id: int | None = None
 
@@ -106,7 +104,7 @@ class LoRAAdapters:
             logger.info("LoRA adapter %r (id %d) unloaded", name, entry.lora_request.lora_int_id)
 
 
-def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, allow_runtime_updating: bool) -> None:
+def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, allow_runtime_updating: bool, fields: FieldPolicy) -> None:
     def check_allowed() -> None:
         if not allow_runtime_updating:
             raise APIError(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating",
@@ -115,11 +113,13 @@ def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, allow_runtime_updating
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
         check_allowed()
+        fields.screen(req)
         await adapters.load(req.lora_name, req.lora_path, req.base_model_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         check_allowed()
+        fields.screen(req)
         await adapters.unload(req.lora_name, req.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -96,6 +96,21 @@ def _engine_families(s: EngineStats, model: str) -> Iterator[Metric]:
                     spec["mean_accepted_length"])
 
 
+class _IgnoredFieldsCollector:
+    """``kvforge:ignored_request_fields_total{field}``: requests that carried each field outside the API
+    (``server/request_fields.py``), read at scrape time; no ``model_name``: a field is the server's."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("kvforge:ignored_request_fields",
+                                     "Requests that carried a field outside the API, ignored.", labels=["field"])
+        for field, count in list(self.counts.items()):
+            family.add_metric([field], count)
+        yield family
+
+
 class ModelMetrics:
     """One model's request-latency histograms (its ``model_name`` series of the server's)."""
 
@@ -121,12 +136,15 @@ class ServerMetrics:
     """The server's registry: every model's engine metrics and latency histograms.
 
     ``ServerMetrics(stats, model)`` is ``ServerMetrics()`` followed by ``add_model(stats, model)``.
+    ``ignored_fields``: field -> count of requests that carried it outside the API (``FieldPolicy.ignored``).
     """
 
-    def __init__(self, stats: Callable[[], EngineStats] | None = None, model: str | None = None):
+    def __init__(self, stats: Callable[[], EngineStats] | None = None, model: str | None = None, *,
+                 ignored_fields: dict[str, int] | None = None):
         self.registry = CollectorRegistry()
         self._engines = _EngineCollector()
         self.registry.register(self._engines)
+        self.registry.register(_IgnoredFieldsCollector({} if ignored_fields is None else ignored_fields))
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, labelnames=["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)

@@ -1,17 +1,18 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with OpenAI's field names and ranges.
 
-Every field is honoured or refused: an unknown field is a 400 naming it, and the OpenAI fields kvforge
-does not implement (``REFUSED``) are a 400 saying so. docs/server.md lists both, and a test holds the
-lists to these models.
+Every field of the OpenAI types is honoured, accepted without effect (``WITHOUT_EFFECT``), or refused
+with a 400 naming it (``REFUSED``); docs/server.md lists them, and a test holds the lists to these models.
+A field outside the API is ``server/request_fields.py``'s: a warning and a count, or a 400 when strict.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from kvforge.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from kvforge.server.request_fields import RequestBody
 from kvforge.server.tools import ChatTool, NamedToolChoice
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -31,6 +32,7 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "prediction": ("predicted outputs are not supported", None),
     "web_search_options": ("web search is not supported", None),
     "reasoning_effort": ("reasoning controls are not supported", None),
+    "moderation": ("moderation of input and output is not supported", None),
     "suffix": ("suffix (insertion) is not supported", None),
 }
 
@@ -40,12 +42,6 @@ class Constraint(NamedTuple):
 
     params: StructuredOutputsParams
     field: str
-
-
-class _Body(BaseModel):
-    # NOTE: unknown fields are refused (a 400 naming them), never silently dropped; NaN and
-    # Infinity are refused wherever a number is expected.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 #: OpenAI's JSON mode (``response_format`` / Responses ``text.format`` of type ``json_object``): a JSON
@@ -60,10 +56,13 @@ WITHOUT_EFFECT: dict[str, str] = {
     "metadata": "tags of a stored completion; kvforge stores none",
     "store": "asks OpenAI to store the completion for its dashboards; kvforge stores none",
     "service_tier": "OpenAI's processing tier; kvforge has one",
+    "prompt_cache_options": "OpenAI's cache breakpoints and lifetime; kvforge's prefix cache keeps every block "
+                            "while memory allows",
+    "prompt_cache_retention": "OpenAI's cache lifetime (deprecated there); the same",
 }
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far
     continuous_usage_stats: bool = False
@@ -72,19 +71,19 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None
 
 
-class JSONSchemaFormat(_Body):
+class JSONSchemaFormat(RequestBody):
     name: str | None = None
     description: str | None = None
     schema_: dict = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(RequestBody):
     """vLLM's extra field: exactly one of json (schema), regex, choice, json_object."""
 
     json_: dict | str | None = Field(default=None, alias="json")
@@ -93,7 +92,7 @@ class StructuredOutputs(_Body):
     json_object: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """Sampling fields shared by chat and completions."""
 
     model: str | None = None
@@ -140,12 +139,15 @@ class _Sampling(_Body):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    moderation: Any = None
     # accepted without effect (WITHOUT_EFFECT)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
 
     @field_validator(*(name for name in REFUSED if name != "suffix"), mode="before")
     @classmethod
@@ -228,32 +230,40 @@ def refuse(name: str, value: Any) -> Any:
     raise ValueError(f"{reason}; leave {name} out of the request")
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: Any = None  # OpenAI's explicit cache breakpoint: without effect (prompt_cache_options)
 
 
-class ImagePart(_Body):
-    """An ``image_url`` content part: parsed so that its 400 says what is wrong (no model served here
-    takes images yet), not that the part is not text."""
-    type: Literal["image_url"]
-    image_url: dict[str, Any] | str
+class MediaPart(RequestBody):
+    """An ``image_url``, ``input_audio`` or ``file`` content part: parsed so that its 400 says what is
+    wrong (no model served here takes them yet), not that the part is not text."""
+    type: Literal["image_url", "input_audio", "file"]
+    image_url: dict[str, Any] | str | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+    prompt_cache_breakpoint: Any = None
 
 
-class ToolCallFunction(_Body):
+#: what a media part's 400 says this server's models do not take
+MEDIA_KINDS = {"image_url": "images", "input_audio": "audio", "file": "files"}
+
+
+class ToolCallFunction(RequestBody):
     name: str
     arguments: str  # JSON text of an object
 
 
-class AssistantToolCall(_Body):
+class AssistantToolCall(RequestBody):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | MediaPart] | None = None
     name: str | None = None  # passed to the chat template with the message
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -267,9 +277,11 @@ class ChatMessage(_Body):
 
     @field_validator("content")
     @classmethod
-    def _no_images(cls, v):
-        if isinstance(v, list) and any(isinstance(p, ImagePart) for p in v):
-            raise ValueError("an image_url part, but this model takes no images (text parts only)")
+    def _no_media(cls, v):
+        for part in v if isinstance(v, list) else ():
+            if isinstance(part, MediaPart):
+                raise ValueError(f"an {part.type} part, but this model takes no {MEDIA_KINDS[part.type]} "
+                                 "(text parts only)")
         return v
 
     @model_validator(mode="after")
@@ -362,7 +374,7 @@ class CompletionRequest(_Sampling):
         return [x for x in p if not isinstance(x, int)]
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -370,6 +382,6 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[StrictInt]

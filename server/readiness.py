@@ -15,14 +15,13 @@ error (a 503, or on a started stream an error event and ``[DONE]``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvforge.server.asgi import route_path, send_error
-from kvforge.server.errors import error_body
+from kvforge.server.errors import error_event
 
 logger = logging.getLogger("kvforge.server")
 
@@ -130,8 +129,8 @@ class _Response:
             await send_error(self.send, 503, message, type="service_unavailable")
         elif not self.complete:
             tail = b""
-            if self.event_stream:  # as for an engine that died: an error event, then [DONE]
-                tail = f"data: {json.dumps(error_body(503, message))}\n\ndata: [DONE]\n\n".encode()
+            if self.event_stream:  # as for an engine that died: an error event (errors.error_event)
+                tail = error_event(503, message).encode()
             await self.send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

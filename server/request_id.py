@@ -39,6 +39,7 @@ class RequestInfo:
     """What the request line says about a request; handlers fill ``response_id`` and ``user``."""
 
     request_id: str
+    path: str = ""  # the route path (``asgi.route_path``): errors.py picks the error shape by it
     response_id: str | None = None  # the id of the answer (chatcmpl-..., cmpl-..., resp_...)
     user: str | None = None  # OpenAI's end-user field
 
@@ -86,7 +87,7 @@ class RequestContext:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        info = RequestInfo(request_id_of(scope))
+        info = RequestInfo(request_id_of(scope), route_path(scope))
         token = _current.set(info)
         status = 0
         echoed = (REQUEST_ID_HEADER, info.request_id.encode("ascii"))
@@ -103,7 +104,7 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            path = route_path(scope)
+            path = info.path
             level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
             if request_logger.isEnabledFor(level):
                 _log_request(level, scope["method"], path, status, time.perf_counter() - start, info)

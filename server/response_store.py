@@ -42,12 +42,14 @@ class StoredResponse:
         ``previous_response_id``), its own input, then its output. A continuation renders these first.
     items_bytes: the JSON size of ``items``.
     size: what it counts against the store's ``max_bytes``: ``items_bytes`` plus the body's JSON size.
+    input_count: how many of ``items`` came before its output (``GET .../input_items`` lists them).
     """
 
     body: dict[str, Any]
     items: list[Any]
     items_bytes: int
     size: int
+    input_count: int
 
 
 class ResponseStore:
@@ -68,16 +70,19 @@ class ResponseStore:
         done = 0 if previous is None else len(previous.items)
         return (0 if previous is None else previous.items_bytes) + sum(json_bytes(i) for i in items[done:])
 
-    def put(self, body: dict[str, Any], items: list[Any], items_bytes: int | None = None) -> bool:
+    def put(self, body: dict[str, Any], items: list[Any], items_bytes: int | None = None,
+            input_count: int | None = None) -> bool:
         """Keep a finished response under ``body["id"]``, then drop the oldest while more than ``capacity``
-        responses or ``max_bytes`` are kept. ``items_bytes``: ``measure(items)`` when the caller has it.
+        responses or ``max_bytes`` are kept. ``items_bytes``: ``measure(items)`` when the caller has it;
+        ``input_count``: the items before its output (all of them by default).
         False (nothing kept) when the response alone is larger than ``max_bytes``."""
         items_bytes = self.measure(items) if items_bytes is None else items_bytes
         size = items_bytes + json_bytes(body)
         if size > self.max_bytes:
             return False
         self._drop(body["id"])
-        self._by_id[body["id"]] = StoredResponse(body, items, items_bytes, size)
+        self._by_id[body["id"]] = StoredResponse(body, items, items_bytes, size,
+                                                 len(items) if input_count is None else input_count)
         self.total_bytes += size
         while len(self._by_id) > self.capacity or self.total_bytes > self.max_bytes:
             self._drop(next(iter(self._by_id)))
@@ -87,6 +92,13 @@ class ResponseStore:
         gone = self._by_id.pop(response_id, None)
         if gone is not None:
             self.total_bytes -= gone.size
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response (a continuation that already started keeps its own copy); False if unknown."""
+        if response_id not in self._by_id:
+            return False
+        self._drop(response_id)
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._by_id.get(response_id)

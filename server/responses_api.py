@@ -11,6 +11,7 @@ in a bounded :class:`~kvforge.server.response_store.ResponseStore` unless ``stor
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, bad_request_from_value_error
 from kvforge.server.protocol import JSON_MODE_SCHEMA, Constraint
+from kvforge.server.request_fields import FieldPolicy
 from kvforge.server.response_store import ResponseStore, StoredResponse, json_bytes
 from kvforge.server.responses_protocol import (
     ITEM,
@@ -34,6 +36,7 @@ from kvforge.server.responses_protocol import (
     TextFormatJSONObject,
     TextFormatJSONSchema,
     conversation,
+    item_json,
 )
 from kvforge.server.tools import ToolOptions, ToolPlan, new_call_id
 from kvforge.tool_parsing import ReasoningParser, StreamDelta, get_reasoning_parser
@@ -53,21 +56,51 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def add_responses_routes(app: FastAPI, models: ServedModels, store: ResponseStore) -> None:
-    """Register the two endpoints; a request's ``model`` picks the served model as chat's does."""
+def add_responses_routes(app: FastAPI, models: ServedModels, store: ResponseStore, fields: FieldPolicy) -> None:
+    """Register the endpoints; a request's ``model`` picks the served model as chat's does."""
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, request: Request):
+        fields.screen(req)
         served = models.resolve(req.model)
         return await until_disconnect(request, create(req, served, store))
 
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
-        stored = store.get(response_id)
-        if stored is None:
+    def stored(response_id: str) -> StoredResponse:
+        found = store.get(response_id)
+        if found is None:
             raise APIError(404, f"No response found with id '{response_id}' "
                                 f"({_KEPT.format(store.capacity, store.max_bytes)})", "response_id", code="not_found")
-        return JSONResponse(stored.body)
+        return found
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return JSONResponse(stored(response_id).body)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        stored(response_id)
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"):
+        """OpenAI's ``include`` query changes nothing here: these items carry no optional data."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit: must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
+        found = stored(response_id)
+        items = [item_json(item, response_id, i) for i, item in enumerate(found.items[:found.input_count])]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise APIError(400, f"after: no input item {after!r} in response '{response_id}'", "after")
+            items = items[at + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStore
@@ -175,6 +208,7 @@ class _Turn:
         self.items_bytes = items_bytes  # ResponseStore.measure(items), when create() measured it
         self.id = _new_id("resp")
         self.created_at = int(time.time())
+        self.encrypted_reasoning = "reasoning.encrypted_content" in (req.include or [])
 
     # -- the response object ------------------------------------------------------------------------
     def head(self) -> dict[str, Any]:
@@ -222,7 +256,8 @@ class _Turn:
             except ValidationError:
                 pass
         items_bytes = self.store.measure(self.items) if self.items_bytes is None else self.items_bytes
-        if not self.store.put(body, self.items + output, items_bytes + sum(json_bytes(i) for i in output)):
+        if not self.store.put(body, self.items + output, items_bytes + sum(json_bytes(i) for i in output),
+                              len(self.items)):
             logger.warning("response %s not stored: with its output it is larger than the response store's limit "
                            "of %d bytes", self.id, self.store.max_bytes)
 
@@ -242,20 +277,21 @@ class _Turn:
             reasoning, content_text = self.reasoning().parse(text)
             text = content_text or ""
         if reasoning:
-            items.append(_reasoning_item(_new_id("rs"), reasoning, "completed"))
+            items.append(_reasoning_item(_new_id("rs"), reasoning, "completed", self.encrypted_reasoning))
         content, calls = self.plan.parse(text)
         if content or not calls:
             status = "incomplete" if finish == "length" else "completed"
             items.append(_message_item(_new_id("msg"), content or "", status))
-        for call in calls:
+        for i, call in enumerate(calls):  # a constrained output cut short: its last call is
+            cut = finish == "length" and self.plan.constrained and i == len(calls) - 1
             items.append({"id": _new_id("fc"), "type": "function_call", "call_id": new_call_id(),
-                          "name": call.name, "arguments": call.arguments, "status": "completed"})
+                          "name": call.name, "arguments": call.arguments, "status": "incomplete" if cut else "completed"})
         return items, reasoning or ""
 
     # -- streamed -----------------------------------------------------------------------------------
     async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[str, None]:
         """The server-sent events of the response; a failure ends them with ``response.failed``."""
-        stream = _EventStream()
+        stream = _EventStream(self.encrypted_reasoning)
         yield stream.event("response.created", response=self.head())
         yield stream.event("response.in_progress", response=self.head())
         reasoner = self.reasoning() if self.reasoning is not None else None
@@ -297,9 +333,14 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str | None, status: str, encrypted: bool = False) -> dict[str, Any]:
+    """``encrypted``: include=["reasoning.encrypted_content"] asked for the item's reasoning in a form a
+    stateless client sends back: kvforge has no secret, so it is the text, base64-encoded."""
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    item = {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    if encrypted and text is not None:
+        item["encrypted_content"] = base64.b64encode(text.encode()).decode()
+    return item
 
 
 class _EventStream:
@@ -307,7 +348,8 @@ class _EventStream:
     output-index order). Items open as their first piece comes; the reasoning item closes when the
     answer starts, a call when the next one starts, the rest at :meth:`close`."""
 
-    def __init__(self):
+    def __init__(self, encrypted_reasoning: bool = False):
+        self.encrypted_reasoning = encrypted_reasoning
         self.seq = 0
         self.output: list[dict] = []
         self.reasoning_text = ""
@@ -349,7 +391,7 @@ class _EventStream:
         part = {"type": "reasoning_text", "text": self.reasoning_text}
         yield self.event("response.reasoning_text.done", **self._where(at), content_index=0, text=part["text"])
         yield self.event("response.content_part.done", **self._where(at), content_index=0, part=part)
-        self.output[at] = _reasoning_item(self.output[at]["id"], part["text"], "completed")
+        self.output[at] = _reasoning_item(self.output[at]["id"], part["text"], "completed", self.encrypted_reasoning)
         yield self.event("response.output_item.done", output_index=at, item=self.output[at])
 
     def delta(self, delta: StreamDelta) -> Iterator[str]:
@@ -406,5 +448,6 @@ class _EventStream:
                 yield self.event("response.content_part.done", **self._where(at), content_index=0, part=part)
                 self.output[at] = _message_item(self.output[at]["id"], self.text, status)
                 yield self.event("response.output_item.done", output_index=at, item=self.output[at])
-            elif at == self.open_call:  # a named choice's arguments are the whole output: cut short, incomplete
-                yield from self._close_call("incomplete" if truncated and tool_mode == "named" else "completed")
+            elif at == self.open_call:  # a constrained output is calls only: cut short, its last is incomplete
+                yield from self._close_call("incomplete" if truncated and tool_mode in ("named", "required")
+                                            else "completed")

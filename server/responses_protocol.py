@@ -1,9 +1,9 @@
 """The request body of ``POST /v1/responses`` (OpenAI's Responses API), and its input items as the chat
 template's messages.
 
-As with chat (``server/protocol.py``), every field is honoured or refused: an unknown field is a 400
-naming it, and the Responses fields kvforge cannot honour (``RESPONSES_REFUSED``) are a 400 saying why.
-docs/responses.md lists both, and a test holds the lists to this model.
+As with chat (``server/protocol.py``), every field is honoured, accepted without effect, or refused: the
+Responses fields kvforge cannot honour (``RESPONSES_REFUSED``) are a 400 saying why; a field outside the
+API is ``server/request_fields.py``'s. docs/responses.md lists them, and a test holds the lists to this model.
 
 Input items are the ones a client sends back to continue a conversation: messages (``type`` optional),
 the model's ``function_call`` items and their ``function_call_output`` results, and ``reasoning`` items
@@ -13,12 +13,11 @@ memory and no tokens, so no token limit bounds it: ``MAX_UNRENDERED_ITEM_BYTES``
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     StrictStr,
@@ -28,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvforge.server.request_fields import RequestBody
 from kvforge.server.tools import FunctionDef
 
 #: Responses fields kvforge does not implement: a 400 whenever one is set to anything but its neutral
@@ -37,11 +37,8 @@ RESPONSES_REFUSED: dict[str, tuple[str, Any]] = {
     "background_options": ("background responses are not supported", None),
     "conversation": ("conversation objects are not supported: chain responses with previous_response_id", None),
     "context_management": ("server-side context compaction is not supported", []),
-    "include": ("kvforge has no extra output data to include (no logprobs, no encrypted reasoning)", []),
     "max_tool_calls": ("kvforge runs no built-in tools, so it counts no tool calls", None),
     "prompt": ("stored prompt templates are not supported: send input and instructions", None),
-    "prompt_cache_retention": ("kvforge's prefix cache has no retention setting", None),
-    "prompt_cache_options": ("kvforge's prefix cache has no options per request", None),
     "top_logprobs": ("log probabilities are not returned by the Responses API yet: use /v1/chat/completions", 0),
     "truncation": ("kvforge never drops input to fit the context: a too-long input is a 400", "disabled"),
     "moderation": ("moderation is not supported", None),
@@ -57,25 +54,20 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 MAX_UNRENDERED_ITEM_BYTES = 2**20
 
 
-class _Body(BaseModel):
-    # NOTE: unknown fields are refused (a 400 naming them), never silently dropped.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
 # -- input items ------------------------------------------------------------------------------------
-class InputText(_Body):
+class InputText(RequestBody):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Body):
+class OutputText(RequestBody):
     type: Literal["output_text"]
     text: str
     annotations: list[Any] = []  # echoed back by clients; kvforge writes none
     logprobs: list[Any] | None = None
 
 
-class Refusal(_Body):
+class Refusal(RequestBody):
     type: Literal["refusal"]
     refusal: str
 
@@ -84,7 +76,7 @@ ContentPart = Annotated[Union[InputText, OutputText, Refusal], Field(discriminat
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
-class Message(_Body):
+class Message(RequestBody):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: list[ContentPart] | str  # the list first: its errors are the ones reported
@@ -107,7 +99,7 @@ class Message(_Body):
         return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -127,7 +119,7 @@ class FunctionCallItem(_Body):
         return v
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     call_id: str
     output: list[InputText] | str
@@ -138,12 +130,13 @@ class FunctionCallOutputItem(_Body):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(RequestBody):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[dict[str, Any]] = []
     content: list[dict[str, Any]] | None = None
-    encrypted_content: None = None  # kvforge never writes one, so none can come back
+    # what include=["reasoning.encrypted_content"] asked for: kept, not rendered (as the text is not)
+    encrypted_content: str | None = None
     status: Status | None = None
 
 
@@ -163,6 +156,24 @@ InputItem = Annotated[
         "(kvforge runs no built-in tools, so no other item can come back)")),
 ]
 ITEM = TypeAdapter(InputItem)
+#: the id prefix OpenAI gives each item type
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def item_json(item: Any, response_id: str, index: int) -> dict[str, Any]:
+    """An input item as ``GET /v1/responses/{id}/input_items`` lists it (OpenAI's shape): with an id (one
+    derived from the response and the item's place when the client sent none, so pages are stable) and a
+    status; a message's text as parts (``input_text``, or ``output_text`` for the assistant's)."""
+    body = item.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if body.get("id") is None:
+        digest = hashlib.sha256(f"{response_id}:{index}".encode()).hexdigest()[:32]
+        body["id"] = f"{_ID_PREFIX[body['type']]}_{digest}"
+    body.setdefault("status", "completed")
+    if body["type"] == "message" and isinstance(body["content"], str):
+        kind = "output_text" if body["role"] == "assistant" else "input_text"
+        body["content"] = [{"type": kind, "text": body["content"]} | ({"annotations": []} if kind == "output_text"
+                                                                      else {})]
+    return body
 
 
 def unrendered_bytes(item: Any) -> int:
@@ -212,20 +223,20 @@ class FunctionTool(FunctionDef):
                 "parameters": self.parameters, "strict": self.strict}
 
 
-class FunctionChoice(_Body):
+class FunctionChoice(RequestBody):
     type: Literal["function"]
     name: str
 
 
-class TextFormatText(_Body):
+class TextFormatText(RequestBody):
     type: Literal["text"]
 
 
-class TextFormatJSONObject(_Body):
+class TextFormatJSONObject(RequestBody):
     type: Literal["json_object"]
 
 
-class TextFormatJSONSchema(_Body):
+class TextFormatJSONSchema(RequestBody):
     type: Literal["json_schema"]
     name: str
     schema_: dict = Field(alias="schema")
@@ -236,7 +247,7 @@ class TextFormatJSONSchema(_Body):
 TextFormat = Annotated[Union[TextFormatText, TextFormatJSONObject, TextFormatJSONSchema], Field(discriminator="type")]
 
 
-class TextConfig(_Body):
+class TextConfig(RequestBody):
     format: TextFormat = TextFormatText(type="text")
     verbosity: Any = None
 
@@ -248,12 +259,21 @@ class TextConfig(_Body):
         return v
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_obfuscation: bool = True  # accepted: kvforge pads no event, whatever it says
 
 
+#: ``include`` values: each names output data of an item kind (OpenAI's ``ResponseIncludable``)
+Includable = Literal["reasoning.encrypted_content", "message.output_text.logprobs", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+#: ``include`` values kvforge cannot give: a 400 saying why
+INCLUDE_REFUSED = {"message.output_text.logprobs": "log probabilities are not returned by the Responses API yet: "
+                                                   "use /v1/chat/completions"}
+
+
 # -- the request --------------------------------------------------------------------------------------
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: list[InputItem] | str  # the list first: its errors are the ones reported
     instructions: str | None = None
@@ -273,20 +293,20 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = None  # OpenAI's successor of user: logged the same way
     prompt_cache_key: str | None = None  # accepted without effect: the prefix cache needs no routing hint
     service_tier: str | None = None  # accepted without effect: kvforge has one tier
+    prompt_cache_retention: str | None = None  # accepted without effect, as prompt_cache_key
+    prompt_cache_options: dict[str, Any] | None = None  # accepted without effect, as prompt_cache_key
     # vLLM's sampling extras that benchmark clients (guidellm) send here too: honoured
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: bool = False
     reasoning: dict[str, Any] | None = None  # accepted only without settings (all values null)
+    include: list[Includable] | None = None
     # the refused Responses fields (see RESPONSES_REFUSED): declared so that each one's 400 names it
     background: Any = None
     background_options: Any = None
     conversation: Any = None
     context_management: Any = None
-    include: Any = None
     max_tool_calls: Any = None
     prompt: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
     top_logprobs: Any = None
     truncation: Any = None
     moderation: Any = None
@@ -300,6 +320,14 @@ class ResponsesRequest(_Body):
         if v is None or v == neutral:
             return None
         raise ValueError(f"{reason}; leave {info.field_name} out of the request")
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v):
+        for value in v or []:
+            if value in INCLUDE_REFUSED:
+                raise ValueError(f"{value}: {INCLUDE_REFUSED[value]}; leave it out of include")
+        return v
 
     @field_validator("reasoning", mode="before")
     @classmethod

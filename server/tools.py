@@ -21,20 +21,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
 from kvforge.sampling_params import StructuredOutputsParams
 from kvforge.server.errors import APIError
+from kvforge.server.request_fields import RequestBody
 from kvforge.tool_parsing import FunctionCall, StreamDelta, ToolCallDelta, ToolParser, get_tool_parser
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class FunctionDef(_Body):
+class FunctionDef(RequestBody):
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object; None: any object
@@ -56,16 +53,16 @@ class FunctionDef(_Body):
         return {"type": "function", "function": fn | {"parameters": self.arguments_schema()}}
 
 
-class ChatTool(_Body):
+class ChatTool(RequestBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
@@ -162,16 +159,17 @@ class ToolPlan:
 
     # -- the output -----------------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[FunctionCall]]:
-        """A whole output as ``(content, calls)``; text that is not a call stays content (an output cut
-        short by ``max_tokens`` in a constrained mode, say)."""
+        """A whole output as ``(content, calls)``, as :meth:`stream` gives it piece by piece. A constrained
+        output is calls only, even one cut short by ``max_tokens``: its last call's arguments are then
+        the JSON text so far (the wrapper of ``required``'s array never shows as content)."""
         if self.mode == "none":
             return text, []
         if self.mode == "named":
-            args = _json_or_none(text)
-            return (None, [FunctionCall(self._named().name, text.strip())]) if isinstance(args, dict) else (text, [])
+            return None, [FunctionCall(self._named().name, text.strip())]
         if self.mode == "required":
-            calls = _required_calls(_json_or_none(text))
-            return (None, calls) if calls else (text, [])
+            stream = self.stream()
+            deltas = [*stream.feed(text).tool_calls, *stream.finish().tool_calls]
+            return None, [FunctionCall(d.name or "", d.arguments) for d in deltas]
         parsed = self.new_parser().parse(text)
         calls = parsed.calls if self.parallel else parsed.calls[:1]
         return (parsed.content if calls else text), calls
@@ -209,9 +207,23 @@ class ToolStream:
         return self._required_elements()
 
     def finish(self) -> StreamDelta:
+        """What the output held back; for ``required``, an element cut short (by ``max_tokens``) as a
+        last call: its arguments the JSON text so far, its name completed from the tools when only one
+        begins with what was written (no call when none can be named)."""
         if self.parser is not None:  # auto
             return self._limit(self.parser.finish())
-        return StreamDelta()
+        out = StreamDelta()
+        if self.plan.mode == "required":
+            rest = self.buf[self.pos:].lstrip(" \t\r\n[,")
+            cut = _CUT_ELEMENT.match(rest)
+            if cut is not None:
+                written = json_prefix(cut["name"])
+                names = [f.name for f in self.plan.functions
+                         if (f.name == written if cut["closed"] else f.name.startswith(written))]
+                if len(names) == 1:
+                    out.tool_calls.append(ToolCallDelta(self.calls, names[0], (cut["args"] or "").rstrip()))
+                    self.calls += 1
+        return out
 
     def _limit(self, delta: StreamDelta) -> StreamDelta:
         """``parallel_tool_calls=false`` under auto: the first call only."""
@@ -240,11 +252,19 @@ class ToolStream:
                 self.calls += 1
 
 
-def _json_or_none(text: str) -> object:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+#: the start of a ``required`` array element cut short: its name (perhaps unfinished) and its arguments so far
+_CUT_ELEMENT = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?P<closed>")?'
+                          r'(?:\s*,\s*"parameters"\s*:\s*(?P<args>.*))?', re.S)
+
+
+def json_prefix(text: str) -> str:
+    """The value of a JSON string's contents so far (escapes decoded; a dangling escape dropped)."""
+    for end in range(len(text), max(-1, len(text) - 6), -1):
+        try:
+            return json.loads(f'"{text[:end]}"')
+        except ValueError:
+            continue
+    return text
 
 
 def _required_calls(value: object) -> list[FunctionCall]:

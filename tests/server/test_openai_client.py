@@ -114,6 +114,13 @@ def test_completions_echo_and_logprobs(client):
                                               logprobs=2, stream=True, extra_body=IGNORE_EOS))
     offsets = [o for ch in streamed if ch.choices for o in ch.choices[0].logprobs.text_offset]
     assert offsets == sorted(offsets) and offsets[0] == 0
+    echoed = list(client.completions.create(model="tiny", prompt="echo me", max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True, extra_body=IGNORE_EOS))
+    parts = [ch.choices[0] for ch in echoed if ch.choices]
+    assert "".join(p.text for p in parts) == c.text  # the prompt's tokens lead the first chunk, as above
+    assert [t for p in parts for t in p.logprobs.tokens] == lp.tokens
+    assert [o for p in parts for o in p.logprobs.text_offset] == lp.text_offset
+    assert [v for p in parts for v in p.logprobs.token_logprobs][0] is None
 
 
 def test_unknown_model_is_404(client):

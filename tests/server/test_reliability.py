@@ -61,7 +61,7 @@ def idle(server, timeout=15.0):
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"extra_args": {"a": 1}}, "extra_args"),
-    ({"frobnicate": 1}, "frobnicate"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     ({"temperature": 1e300}, "temperature"),
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"repetition_penalty": 1e300}, "repetition_penalty"),

@@ -2,6 +2,7 @@
 client: greedy outputs equal chat's for the same conversation, streamed events are the client's own
 types and assemble the non-streamed response, stored responses chain, refused fields say why."""
 import asyncio
+import base64
 import json
 import re
 from pathlib import Path
@@ -183,10 +184,9 @@ def test_store_retrieve_and_previous_response_id(smol, story):
     ("reasoning", {"effort": "high"}, "reasoning controls"),
     ("background", True, "background responses"),
     ("tools", [{"type": "web_search"}], "'web_search' tool"),
-    ("include", ["reasoning.encrypted_content"], "include"),
+    ("include", ["message.output_text.logprobs"], "log probabilities are not returned"),
     ("truncation", "auto", "never drops input"),
     ("input", [{"type": "web_search_call", "id": "ws_1"}], "function_call_output"),
-    ("nonsense", 1, "unknown field"),
 ])
 def test_refused_fields_name_themselves(smol, field, value, says):
     kw = {"input": "x"} | {field: value}
@@ -253,6 +253,23 @@ def test_reasoning_and_auto_calls_stream_what_the_whole_output_holds(cut):
     assert (final.output[2].name, final.output[2].arguments) == (whole[2]["name"], whole[2]["arguments"])
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == reasoning
+
+
+def test_included_encrypted_reasoning_is_the_reasoning_whole_or_streamed_and_can_be_sent_back():
+    """LiteLLM sends include=["reasoning.encrypted_content"] to keep reasoning across stateless turns."""
+    text = "<think>It is about weather.</think>Sunny."
+    req = ResponsesRequest(input="x", include=["reasoning.encrypted_content", "file_search_call.results"],
+                           store=False)
+    turn = _Turn(req, MODEL, ToolPlan("none"), get_reasoning_parser("qwen3"), 3, [], ResponseStore(), _FakeServing())
+    whole, reasoning = turn.whole_output(text, "stop")
+    final = _events(turn, [text[i:i + 4] for i in range(0, len(text), 4)], "stop")[-1].response
+    for item in (whole[0], final.output[0].model_dump()):
+        assert base64.b64decode(item["encrypted_content"]).decode() == reasoning == "It is about weather."
+    again = ResponsesRequest(input=[final.output[0].model_dump(exclude_none=True), {"role": "user", "content": "y"}])
+    assert again.items()[0].encrypted_content == whole[0]["encrypted_content"]
+    plain = _Turn(ResponsesRequest(input="x"), MODEL, ToolPlan("none"), get_reasoning_parser("qwen3"), 3, [],
+                  ResponseStore(), _FakeServing())
+    assert "encrypted_content" not in plain.whole_output(text, "stop")[0][0]
 
 
 def test_a_failure_mid_stream_ends_with_response_failed_and_is_stored_without_output():
