@@ -45,6 +45,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-loras", dict(type=int, default=None, help="most LoRA adapters one step may run (1)")),
     ("--max-lora-rank", dict(type=int, default=None, help="largest LoRA rank accepted (16)")),
     ("--max-cpu-loras", dict(type=int, default=None, help="LoRA adapters kept in host memory (max-loras)")),
+    ("--limit-mm-per-prompt", dict(default=None, type=lambda text: _json_table(text, "--limit-mm-per-prompt"),
+                                   help='a multimodal model\'s items per prompt as JSON, vLLM\'s form: '
+                                        '\'{"image": 2}\' (each modality left out: 1; docs/multimodal.md)')),
     ("--speculative-config", dict(default=None, type=lambda text: _json_table(text, "--speculative-config"),
                                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
                                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')),
@@ -131,9 +134,10 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     flags = ("sliding_window", "moe", "tensor_parallel", "pipeline_parallel", "quantization")
-    header = ["architecture", *flags, "notes"]
-    table = [header] + [[r["architecture"], *("yes" if r.get(f) else "-" for f in flags),
-                         r.get("notes", r.get("error", ""))] for r in rows]
+    header = ["architecture", "inputs", *flags, "notes"]
+    table = [header] + [[r["architecture"], ", ".join(["text", *r.get("modalities", ())]),
+                         *("yes" if r.get(f) else "-" for f in flags), r.get("notes", r.get("error", ""))]
+                        for r in rows]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
     for line in table:
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())

@@ -93,6 +93,8 @@ class EngineConfig:
     max_lora_rank: the largest adapter rank accepted (the slots are sized for it).
     max_cpu_loras: adapters kept in host memory for quick return to a slot (least recently used go);
         None: ``max_loras``.
+    limit_mm_per_prompt: a multimodal model's items per prompt, by modality (``{"image": 2}``); a
+        modality left out: at most 1 (docs/multimodal.md). A text-only model ignores it.
     plugins: ``{component name: {option: value}}`` validated by each component's ``Options``.
     """
 
@@ -133,6 +135,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    limit_mm_per_prompt: dict[str, int] | None = None
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,6 +153,11 @@ class EngineConfig:
         positive_int("max_cpu_loras", allow_none=True)
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        limits = self.limit_mm_per_prompt
+        if limits is not None and not (isinstance(limits, dict) and all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in limits.items())):
+            raise ValueError(f"limit_mm_per_prompt must map modality names to integers >= 0, got {limits!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.distributed_executor_backend is not None and not isinstance(self.distributed_executor_backend, str):

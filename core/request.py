@@ -75,6 +75,8 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None  # [len(draft_token_ids), vocab] device tensor q of the drafts, or None (one-hot)
     error: RequestFailure | None = None  # set with status FINISHED_ERROR
+    # multimodal: the prompt's items (kvforge.multimodal.inputs.MultiModalFeature), by offset; () for text
+    mm_features: tuple = ()
 
     @property
     def lora_int_id(self) -> int:
@@ -89,6 +91,17 @@ class Request:
         if not lora:
             return self.cache_salt
         return (lora, self.cache_salt)
+
+    def block_key(self, start: int, end: int) -> Any:
+        """The extra key of the prefix-cache hash of the block holding positions [start, end):
+        :attr:`cache_key`, and the content hashes of the items whose placeholders fall in it (the same
+        image hits the cache, another behind the same placeholder tokens does not)."""
+        if not self.mm_features:
+            return self.cache_key
+        from kvforge.multimodal.inputs import block_extra_keys
+
+        items = block_extra_keys(self.mm_features, start, end)
+        return self.cache_key if items is None else (self.cache_key, items)
 
     @property
     def num_prompt_tokens(self) -> int:

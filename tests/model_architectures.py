@@ -69,3 +69,43 @@ def build(test_id: str, path: str, seed: int = 0, **overrides: Any) -> torch.nn.
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+#: the tiny LLaVA's image placeholder token and the embedding rows of each image ((28 / 14)^2 patches)
+LLAVA_IMAGE_TOKEN, LLAVA_IMAGE_ROWS = 100, 4
+
+
+#: a LLaVA-style chat template: an image part is the <image> token where it stands
+LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+                       "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
+                       "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def build_llava(path: str, seed: int = 0, tokenizer: Any = None) -> torch.nn.Module:
+    """A tiny random LLaVA-1.5 (CLIP tower of 3 layers on 28x28 images in 14x14 patches, MLP projector,
+    a Llama decoder of ``_BASE``'s shape), every weight perturbed, saved with its image processor to
+    ``path``; returns it in float32. ``tokenizer``: saved with it, an ``<image>`` token and
+    :data:`LLAVA_CHAT_TEMPLATE` added, the vocabulary its size (else ``VOCAB`` ids, token
+    :data:`LLAVA_IMAGE_TOKEN` the image's)."""
+    base = dict(_BASE)
+    image_token = LLAVA_IMAGE_TOKEN
+    if tokenizer is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+        tokenizer.save_pretrained(path)
+        base["vocab_size"], image_token = len(tokenizer), tokenizer.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(**base)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=28, patch_size=14, projection_dim=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                      projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(path)
+    return model

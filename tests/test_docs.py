@@ -81,6 +81,7 @@ def test_models_md_lists_every_registered_architecture_with_its_capabilities():
     root = DOCS.parent
     for name, row in documented.items():
         caps = capabilities_of(pm.get("model", name)).as_dict()
+        assert row["inputs"] == ", ".join(["text", *caps["modalities"]]), f"{name}: inputs say {row['inputs']!r}"
         for column, field in columns.items():
             assert (row[column] == "yes") == caps[field], f"{name}: {column} says {row[column]!r}, the class {caps[field]}"
         assert (root / row["test"].strip("`")).is_file(), f"{name}: no test file {row['test']}"

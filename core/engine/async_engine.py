@@ -71,6 +71,10 @@ class AsyncLLMEngine(StreamingFront):
         return self.engine.max_model_len
 
     @property
+    def modalities(self) -> tuple[str, ...]:
+        return self.engine.modalities
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 

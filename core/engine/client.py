@@ -43,6 +43,11 @@ class EngineClient(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def modalities(self) -> tuple[str, ...]:
+        """The inputs beyond text the model takes (``("image",)``; ``()`` for a text-only model)."""
+        ...
+
+    @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's tokenizer (None for a model served without one: token ids only)."""
 

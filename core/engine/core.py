@@ -101,7 +101,7 @@ class EngineCore(AsyncLLMEngine):
 
     # -- the front end's messages ---------------------------------------------------------------
     def serve(self) -> int:
-        self._reply(Ready(self.max_model_len, self.vocab_size))
+        self._reply(Ready(self.max_model_len, self.vocab_size, self.modalities))
         self.start()
         while True:
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Protocol, TypeVar, cast
 
 from kvforge.config import EngineConfig
 from kvforge.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -41,8 +41,9 @@ class ReplicaActor:
         self.engine = AsyncLLMEngine.from_config(config, step_timeout_s=step_timeout_s)
         self.engine.start()
 
-    def info(self) -> dict[str, int]:
-        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
+    def info(self) -> dict[str, Any]:
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "modalities": self.engine.modalities}
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
@@ -96,7 +97,7 @@ class _StreamingMethod(Protocol):
 
 
 class _ReplicaHandle(Protocol):
-    info: _Remote[dict[str, int]]
+    info: _Remote[dict[str, Any]]
     generate: _StreamingMethod
     add_lora: _Remote[bool]
     remove_lora: _Remote[bool]
@@ -142,6 +143,7 @@ class DataParallelEngine:
             raise RuntimeError(f"a data-parallel replica failed to start: {exc}") from exc
         self.max_model_len: int = min(i["max_model_len"] for i in infos)
         self.vocab_size: int = infos[0]["vocab_size"]
+        self.modalities: tuple[str, ...] = tuple(infos[0]["modalities"])
         self.in_flight = [0] * size  # requests each replica is serving now
         self.routed = [0] * size  # requests sent to each replica since start
         self.error: BaseException | None = None

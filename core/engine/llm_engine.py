@@ -18,6 +18,7 @@ from kvforge.errors import RequestFailure, is_device_error
 from kvforge.lora.registry import LoRARegistry, check_lora_request
 from kvforge.lora.request import LoRARequest
 from kvforge.model import quantization
+from kvforge.model.interface import capabilities_of
 from kvforge.model.loader import load_model_config, resolve_model_source
 from kvforge.model.tokenizer_source import tokenizer_for
 from kvforge.outputs import RequestOutput
@@ -174,8 +175,11 @@ class LLMEngine:
         self._pipeline: collections.deque[tuple[SchedulerOutput, Any]] = collections.deque()
         self.num_overlapped_steps = 0  # pipelined steps launched while another was in flight
         self._compiling: dict[str, Request] = {}  # sequences whose grammar is still compiling
+        #: inputs beyond text the model takes (its class's ModelCapabilities.modalities)
+        self.modalities: tuple[str, ...] = capabilities_of(pm.get("model", mc.architecture)).modalities
         self.inputs = RequestFactory(config, mc, self.tokenizer, pm, max_model_len=max_len,
-                                     eos_token_ids=self.eos_token_ids)
+                                     eos_token_ids=self.eos_token_ids,
+                                     model_dir=self.source.path if self.source.kind == "hf_dir" else None)
         self.num_prompt_tokens = self.num_generation_tokens = 0
         #: requests each rank holds block tables for, read whenever the engine goes idle
         self.rank_batch_requests = [0] * executor.world_size

@@ -106,6 +106,7 @@ class Call:
 class Ready:
     max_model_len: int
     vocab_size: int
+    modalities: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,7 @@ class EngineProcessClient(StreamingFront):
         listener.close()
         self.max_model_len: int = facts.max_model_len
         self.vocab_size: int = facts.vocab_size
+        self.modalities: tuple[str, ...] = facts.modalities
         self._prompts = PromptCache()  # the reader thread's
         self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._read, name="kvforge-core-reader", daemon=True)

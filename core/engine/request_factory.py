@@ -18,6 +18,8 @@ from kvforge.engine.structured_output import StructuredOutputManager
 from kvforge.lora.registry import check_lora_request
 from kvforge.lora.request import LoRARequest
 from kvforge.model.config import ModelConfig
+from kvforge.model.interface import capabilities_of
+from kvforge.multimodal.inputs import MultiModalProcessor, parse_multi_modal_data
 from kvforge.outputs import RequestMetrics
 from kvforge.plugin_manager import PluginManager
 from kvforge.request import Request
@@ -28,13 +30,35 @@ class RequestFactory:
     """The engine's requests, made from prompts under its config, model and context length."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
-                 plugin_manager: PluginManager, *, max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 plugin_manager: PluginManager, *, max_model_len: int, eos_token_ids: tuple[int, ...],
+                 model_dir: str | None = None):
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.plugin_manager = plugin_manager
+        self.model_dir = model_dir  # a multimodal checkpoint's directory (its image processor's config)
+        self._processor: MultiModalProcessor | None = None
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self._structured: StructuredOutputManager | None = None
         self._ids = itertools.count()  # ids of requests that come without one
+
+    def processor(self) -> MultiModalProcessor:
+        """The model's multimodal processor (made on first use); ``ValueError`` naming
+        ``multi_modal_data`` for a text-only model."""
+        if self._processor is None:
+            cls = self.plugin_manager.get("model", self.model_config.architecture)
+            if not capabilities_of(cls).modalities:
+                raise ValueError("multi_modal_data: this model takes no images (text only)")
+            processor: MultiModalProcessor = cls.processor(self.model_config, self.model_dir)
+            self._processor = processor
+            return processor
+        return self._processor
+
+    def multimodal(self, ids: list[int], data: Any) -> tuple[list[int], tuple]:
+        """A prompt's ids with its items' placeholders expanded, and the items' features."""
+        processor = self.processor()
+        limits = {m: 1 for m in processor.modalities} | dict(self.config.limit_mm_per_prompt or {})
+        processed = processor.process(ids, parse_multi_modal_data(data, processor.modalities, limits))
+        return processed.prompt_token_ids, processed.features
 
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; ``ValueError`` naming the field."""
@@ -57,6 +81,9 @@ class RequestFactory:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params = params.clone() if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
+        features: tuple = ()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            ids, features = self.multimodal(ids, prompt["multi_modal_data"])
         check_request(ids, params, config=self.config, vocab_size=self.model_config.vocab_size,
                       max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                       logits_processors=self.plugin_manager.names("logits_processor"),
@@ -77,7 +104,8 @@ class RequestFactory:
                     child_params.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, prompt=text, priority=priority,
-                          max_tokens=min(params.max_tokens or room, room), lora_request=lora_request)
+                          max_tokens=min(params.max_tokens or room, room), lora_request=lora_request,
+                          mm_features=features)
             if params.bad_words:
                 req.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             if params.structured_outputs is not None:

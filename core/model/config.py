@@ -228,6 +228,12 @@ def hf_fields(d: HFConfig, architecture: str) -> ConfigFields:
     transformers' configs share. Layers use the window when ``layer_types`` says so (transformers >= 4.54
     writes it), every layer otherwise; a family's hook applies its own rules where a config leaves it out.
     ``ValueError`` naming a field kvforge cannot honour."""
+    if isinstance(d.get("text_config"), dict) and "num_attention_heads" not in d:
+        # a multimodal checkpoint: the decoder's fields are its text_config's; the family reads the rest
+        fields = hf_fields({**d["text_config"], "model_type": d.get("model_type"), "torch_dtype": d.get("torch_dtype")
+                            or d["text_config"].get("torch_dtype") or d.get("dtype")}, architecture)
+        fields["hf_config"] = dict(d)
+        return fields
     if d.get("mlp_bias"):
         raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
     quant = d.get("quantization_config")

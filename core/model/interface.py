@@ -20,6 +20,10 @@ class ModelCapabilities:
     tensor_parallel: bool = True  # built from kvforge.layers' parallel layers
     pipeline_parallel: bool = True  # builds one stage of its layers (parallel_state.current_stage())
     quantization: bool = True  # its linear layers take a quantization method (MoE experts: see docs)
+    #: inputs beyond text it takes ("image"; kvforge.multimodal.inputs.MODALITIES): such a class also has
+    #: ``processor(config, model_dir)`` and ``embed_multimodal(features)``, and its ``forward`` takes
+    #: ``inputs_embeds`` (docs/multimodal.md)
+    modalities: tuple[str, ...] = ()
     notes: str = ""  # anything a user should know (attention sinks, what is refused)
 
     def as_dict(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 from kvforge.attention import AttentionBackend
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.kv_cache import KVCacheManager
+from kvforge.model.interface import capabilities_of
 from kvforge.rank.cuda_graphs import CUDAGraphRunner
 from kvforge.rank.executor import Executor
 from kvforge.rank.input_buffers import h2d
@@ -38,7 +39,9 @@ class ModelRunner:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.device = device
-        self.builder = StepInputBuilder(lora=self.worker.lora is not None)
+        model = self.worker.model
+        multimodal = model is not None and bool(capabilities_of(type(model)).modalities)
+        self.builder = StepInputBuilder(lora=self.worker.lora is not None, multimodal=multimodal)
         self.num_graph_verifications = 0  # steps whose drafts a CUDA graph verified (greedy, CUDAGraphRunner.head)
 
     # the driver worker's parts (tools and tests read them here)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvforge.kv_cache import KVCacheManager
+from kvforge.multimodal.encoder_cache import EncoderCachePlan
 from kvforge.rank.input_buffers import HostInputs
 from kvforge.scheduler import SchedulerOutput
 
@@ -48,6 +49,12 @@ class StepInput:
     num_prev_tokens: int = 0
     #: LoRA: each request's adapter id (0: the base model); None when no request runs an adapter
     lora_ids: np.ndarray | None = None
+    #: multimodal: the items to encode first (new to the ranks' encoder caches), the cache entries to drop
+    #: before, and where embedding rows go ([k, 4]: step row, content hash, first row, rows); None when the
+    #: step has no placeholder (kvforge.multimodal.encoder_cache)
+    mm_encode: list | None = None
+    mm_free: list[int] | None = None
+    mm_places: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,10 +93,12 @@ class StepInputBuilder:
     """Turns ``SchedulerOutput`` into (``StepInput``, ``StepPlan``), remembering the block tables the
     workers hold so that each step sends only their changes."""
 
-    def __init__(self, lora: bool = False) -> None:
-        """``lora``: the engine serves LoRA adapters (each step says which one each request runs under)."""
+    def __init__(self, lora: bool = False, multimodal: bool = False) -> None:
+        """``lora``: the engine serves LoRA adapters (each step says which one each request runs under);
+        ``multimodal``: its model takes images (each step says what the ranks encode)."""
         self.sent: dict[str, list[int]] = {}  # request -> the block table the workers hold
         self.lora = lora
+        self.encoder = EncoderCachePlan() if multimodal else None
 
     def build(self, out: SchedulerOutput, kv: KVCacheManager, graph_key: tuple[int, int] | None,
               prev_sample_reqs: list | None) -> tuple[StepInput, StepPlan]:
@@ -116,6 +125,10 @@ class StepInputBuilder:
                       else r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens))
         else:
             chunks = (r.tokens(int(s), int(s + q)) for r, s, q in zip(reqs, starts, q_lens))
+        if self.encoder is not None:
+            work = self.encoder.step(reqs, starts, q_lens)
+            if work is not None:
+                step.mm_encode, step.mm_free, step.mm_places = work.encode, work.free, work.places
         if self.lora and any(r.lora_request is not None for r in reqs):
             step.lora_ids = np.fromiter((r.lora_int_id for r in reqs), dtype=np.int64, count=n)
         ids = step.input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=total)

@@ -15,7 +15,7 @@ every rank (``Executor.collective_rpc``), by name.
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
@@ -84,6 +84,8 @@ class Worker:
         self.buffers: StepBuffers | None = None  # once the cache is initialized
         self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
         self.batch = PersistentBatch()
+        #: multimodal: encoded items' embedding rows by content hash (the engine's EncoderCachePlan decides)
+        self.encoder_cache: dict[int, torch.Tensor] = {}
         # the KV manager may give back blocks behind the window (kvforge.kv_cache.NULL_BLOCK entries)
         self.sliding_window_kv = mc.kv_sliding_window is not None
         self.profiler = RankProfiler(rank, self.device)
@@ -123,6 +125,7 @@ class Worker:
         # NOTE: the graphs first: they hold the model and the KV cache, and their pool holds activations
         self.graphs = None
         self.kv_caches = []
+        self.encoder_cache = {}
         self.model = self.lora = self.swap_space = self.buffers = None
 
     def start_profile(self) -> None:
@@ -239,7 +242,8 @@ class Worker:
         if self.lora is not None:
             self.lora.prepare(step.lora_ids, step.query_lens, num_rows, graph=graphs is not None)
         ids_dev, pos_dev = self._device_inputs(step, buf, num_rows, graphs, prev_tokens)
-        hidden, head = self._forward(model, step, layout, graphs, ids_dev, pos_dev)
+        embeds = self._merged_embeddings(model, step, ids_dev) if step.mm_places is not None else None
+        hidden, head = self._forward(model, step, layout, graphs, ids_dev, pos_dev, embeds)
         if hidden is None:  # not the last stage: its part is done
             return None
         if step.prompt_rows is not None:
@@ -269,13 +273,36 @@ class Worker:
                                                                         prev_tokens, self.device))
         return ids, pos
 
+    def _merged_embeddings(self, model: RankModel, step: StepInput, ids: torch.Tensor) -> torch.Tensor:
+        """A multimodal step's input embeddings: the tokens', with each placeholder row replaced by its
+        item's embedding row from the encoder cache, after dropping ``mm_free`` and encoding ``mm_encode``
+        (every rank encodes: the tower is replicated)."""
+        mm: Any = model
+        for h in step.mm_free or ():
+            self.encoder_cache.pop(h, None)
+        if step.mm_encode:
+            for feature, rows in zip(step.mm_encode, mm.embed_multimodal(step.mm_encode)):
+                self.encoder_cache[feature.content_hash] = rows
+        embeds = mm.embed(ids)
+        places = step.mm_places.tolist() if step.mm_places is not None else []
+        for row, h, first, count in places:
+            embeds[row:row + count] = self.encoder_cache[h][first:first + count].to(embeds.dtype)
+        return embeds
+
     def _forward(self, model: RankModel, step: StepInput, layout: BatchLayout, graphs: CUDAGraphRunner | None,
-                 ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 ids: torch.Tensor, pos: torch.Tensor, embeds: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's hidden states [num_tokens, hidden] (None on a stage before the last), and a
-        verification graph's greedy head (``CUDAGraphRunner.head``)."""
+        verification graph's greedy head (``CUDAGraphRunner.head``). ``embeds``: a multimodal step's
+        input embeddings (images merged in), which the model takes instead of embedding ``ids``."""
         if graphs is not None and step.graph_key is not None:  # a uniform step (decode, or k drafts each)
             return graphs.replay(layout)[:step.num_tokens], graphs.head(step.graph_key)
         meta = self.attn.build_metadata(layout)
+        if embeds is not None:
+            if self.stage.size != 1:
+                raise RuntimeError("multimodal models run one pipeline stage")
+            mm: Any = model  # a multimodal model's forward takes inputs_embeds (ModelCapabilities.modalities)
+            return hidden_states(mm(ids, pos, self.kv_caches, meta, inputs_embeds=embeds)), None
         if self.stage.size == 1:
             return hidden_states(model(ids, pos, self.kv_caches, meta)), None
         return stage_forward(model, self.groups, ids, pos, self.kv_caches, meta, hidden_size=self.hidden_size,

@@ -14,6 +14,7 @@ MODELS = {
     "MixtralForCausalLM": "kvforge.plugins.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "kvforge.plugins.models.mixtral:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "kvforge.plugins.models.mixtral:Qwen2MoeForCausalLM",
+    "LlavaForConditionalGeneration": "kvforge.plugins.models.llava:LlavaForConditionalGeneration",
 }
 
 

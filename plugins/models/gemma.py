@@ -202,10 +202,10 @@ class GemmaModel(LlamaModel):
         return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.is_first:
-            hidden = self.embed(input_ids)
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         elif intermediate is None:
             raise ValueError("a pipeline stage after the first needs the previous stage's hidden states")
         else:

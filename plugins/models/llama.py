@@ -186,13 +186,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``kv_caches[i]`` is the cache of this stage's i-th layer. The first stage embeds
-        ``input_ids``; a later one continues from ``intermediate`` = (hidden, residual) of the stage
-        before. The last stage returns the normed hidden states, the others (hidden, residual)."""
+        ``input_ids`` (or takes ``inputs_embeds``: a multimodal model's, images merged in); a later one
+        continues from ``intermediate`` = (hidden, residual) of the stage before. The last stage returns
+        the normed hidden states, the others (hidden, residual)."""
         if self.is_first:
-            hidden, residual = self.embed(input_ids), None  # [T, hidden]
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+            residual = None
         elif intermediate is None:
             raise ValueError("a pipeline stage after the first needs the previous stage's (hidden, residual)")
         else:
@@ -326,11 +328,12 @@ class LlamaForCausalLM(nn.Module):
         return self.weight_map.packed_modules()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: [num_tokens] int64 (flat varlen batch) -> hidden [num_tokens, hidden_size]
-        (a pipeline stage other than the last: (hidden, residual) for the next one)."""
-        return self.model(input_ids, positions, kv_caches, attn_meta, intermediate)
+        (a pipeline stage other than the last: (hidden, residual) for the next one). ``inputs_embeds``:
+        the first stage's input embeddings instead of ``input_ids``' (a multimodal model's, images merged)."""
+        return self.model(input_ids, positions, kv_caches, attn_meta, intermediate, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every tensor-parallel rank)."""

@@ -12,7 +12,8 @@ from kvforge.engine.process import EngineProcessClient
 
 FRONT_ENDS = [AsyncLLMEngine, EngineProcessClient, DataParallelEngine]
 #: what each front end sets in its constructor rather than on the class
-INSTANCE_ATTRIBUTES = {"config", "error", "dead", "max_model_len", "vocab_size", "tokenizer", "model_source"}
+INSTANCE_ATTRIBUTES = {"config", "error", "dead", "max_model_len", "vocab_size", "modalities", "tokenizer",
+                       "model_source"}
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS, ids=lambda c: c.__name__)
