@@ -31,6 +31,7 @@ from starlette.types import ASGIApp
 import kvforge
 from kvforge.engine.client import EngineClient
 from kvforge.errors import EngineDeadError, RequestFailedError
+from kvforge.multimodal.media import MediaLimits
 from kvforge.server.anthropic_api import add_anthropic_routes
 from kvforge.server.auth import ApiKeyAuth
 from kvforge.server.body_limits import DEFAULT_BODY_TIMEOUT_S, BodyLimits
@@ -92,7 +93,8 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
                on_engine_dead: Callable[[], None] | None = None, lora_modules: Sequence[LoRAModule] = (),
                allow_runtime_lora_updating: bool = False, tool_options: ToolOptions | None = None,
                cors: CorsOptions | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               responses_store_bytes: int = MAX_STORED_BYTES, strict_request_fields: bool = False) -> FastAPI:
+               responses_store_bytes: int = MAX_STORED_BYTES, strict_request_fields: bool = False,
+               media: MediaLimits | None = None) -> FastAPI:
     """Build the app around started-or-not engines; the app's lifespan starts and stops them.
 
     One model: ``create_app(engine, ["name", "alias"])``. Several: ``create_app([(engine_a, ["a"]),
@@ -104,6 +106,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
     ``cors``: answer browsers' cross-origin requests (None: no CORS headers at all).
     ``body_timeout_s``: how long a request body may take to arrive whole (408 after it).
     ``responses_store_bytes``: the byte bound of the stored Responses API responses.
+    ``media``: where chat requests' images may come from, and how large (``kvforge.multimodal.media``).
     ``strict_request_fields``: a field outside the API is a 400 naming it, not a warning and a count
     (``server/request_fields.py``).
     The app's ``state.readiness`` is the :class:`Readiness` that ``/ready`` reports and a drain uses.
@@ -127,7 +130,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
         for name in names:
             models.check_new(name)  # before the metrics take names[0] as a label
         serving = OpenAIServing(engine, metrics.add_model(engine.get_stats, names[0]), chat_template,
-                                trust_request_chat_template, tool_options or ToolOptions())
+                                trust_request_chat_template, tool_options or ToolOptions(), media)
         src = engine.model_source
         for name in names:
             models.add(ServedModel(name, serving, src.path or src.name))

@@ -26,6 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvforge.log_format import LOG_FORMATS
+from kvforge.multimodal.media import MediaLimits
 
 if TYPE_CHECKING:
     from kvforge.config import EngineConfig
@@ -93,6 +94,10 @@ def add_protection_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of stored Responses API responses kept in memory (their JSON, each with its whole "
                         "conversation); the oldest are dropped past it, and a store=true request whose "
                         "conversation alone is larger is a 400 naming input (256 MiB)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="read file:// images of chat requests from under this directory (default: file:// refused)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="fetch http(s):// images only from these hosts (default: any host)")
     p.add_argument("--strict-request-fields", action="store_true",
                    help="a request field outside the API is a 400 naming it (default: accepted, logged as a "
                         "warning and counted in kvforge:ignored_request_fields_total, as vLLM accepts it)")
@@ -351,7 +356,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                        tool_options=tool_options, cors=cors, body_timeout_s=body_timeout,
                        responses_store_bytes=args.max_responses_store_bytes or MAX_STORED_BYTES,
-                       strict_request_fields=args.strict_request_fields)
+                       strict_request_fields=args.strict_request_fields,
+                       media=MediaLimits(allowed_local_media_path=args.allowed_local_media_path,
+                                         allowed_media_domains=tuple(args.allowed_media_domains)
+                                         if args.allowed_media_domains is not None else None))
     try:
         return _serve(args, configs, app_options, root_path, sockets, responder)
     finally:

@@ -18,13 +18,15 @@ from fastapi.responses import JSONResponse
 from kvforge.engine.client import EngineClient
 from kvforge.engine.input_checks import check_extra_args
 from kvforge.errors import EngineDeadError, RequestFailedError
+from kvforge.multimodal.media import MediaLimits
+from kvforge.server.chat_media import chat_images
 from kvforge.server.chat_output import ChoiceOutput
 from kvforge.server.disconnect import AbortingStreamingResponse
 from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
 from kvforge.server.metrics import ModelMetrics
 from kvforge.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from kvforge.server.request_id import current_request
-from kvforge.server.response_json import prompt_logprobs_json, sse, top_dict, usage, usage_mode
+from kvforge.server.response_json import completion_logprobs, prompt_logprobs_json, sse, usage, usage_mode
 from kvforge.server.tools import ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
 
@@ -53,8 +55,10 @@ class OpenAIServing:
     ``ServedModel`` it got: its name goes in the response, its ``lora_request`` with the engine requests."""
 
     def __init__(self, engine: EngineClient, metrics: ModelMetrics, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False, tool_options: ToolOptions | None = None):
+                 trust_request_chat_template: bool = False, tool_options: ToolOptions | None = None,
+                 media: MediaLimits | None = None):
         self.engine = engine
+        self.media = media or MediaLimits()  # where a request's images may come from, and how large
         self.tool_options = tool_options or ToolOptions()
         self.metrics = metrics
         self.chat_template = chat_template
@@ -240,6 +244,7 @@ class OpenAIServing:
         self.check_logprobs("top_logprobs", req.top_logprobs)
         self.check_common(req)
         plan = self.tool_plan(req)
+        images = await chat_images(req.messages, self.engine, self.media)
         text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
                                       tools=plan.template_tools())
         ids = await self.encode(text, False, "messages")
@@ -256,8 +261,10 @@ class OpenAIServing:
         reasoning_cls = get_reasoning_parser(reasoning) if reasoning else None
         outputs = [ChoiceOutput(plan, reasoning_cls, params.structured_outputs is not None) for _ in range(req.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        started = await self.start([{"prompt": text, "prompt_token_ids": ids}], [params], rid, req.priority,
-                                   served.lora_request)
+        prompt: dict = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        started = await self.start([prompt], [params], rid, req.priority, served.lora_request)
         created = int(time.time())
         if req.stream:
             return self.stream(self._chat_stream(started, rid, created, model, outputs, top, len(ids),
@@ -265,7 +272,9 @@ class OpenAIServing:
         finals: dict[int, dict] = {}
         n_gen = 0
         prompt_lps = None
+        n_prompt = len(ids)
         async for _, out in self.merged(started):
+            n_prompt = len(out.prompt_token_ids) or n_prompt  # the engine's: images' placeholders expanded
             prompt_lps = out.prompt_logprobs if out.finished else prompt_lps
             for c in out.outputs:
                 f = finals.setdefault(c.index, {"text": "", "finish": None, "logprobs": []})
@@ -280,7 +289,7 @@ class OpenAIServing:
             choices.append({"index": i, "message": message, "logprobs": {"content": f["logprobs"]} if req.logprobs
                             else None, "finish_reason": outputs[i].finish_reason(f["finish"])})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(len(ids), n_gen)}
+                "choices": choices, "usage": usage(n_prompt, n_gen)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
         return JSONResponse(body)
@@ -310,6 +319,7 @@ class OpenAIServing:
             yield chunk({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]})
         async for _, out in self.merged(started):
+            prompt_len = len(out.prompt_token_ids) or prompt_len  # the engine's: images' placeholders expanded
             choices = []
             for c in out.outputs:
                 n_gen += len(c.token_ids)
@@ -416,7 +426,7 @@ class OpenAIServing:
         for idx, f in sorted(finals.items()):
             lp = None
             if req.logprobs is not None:
-                lp = self._completion_logprobs(f["ids"], f["lps"], req.logprobs,
+                lp = completion_logprobs(self.engine.tokenizer, f["ids"], f["lps"], req.logprobs,
                                                f["out"] if req.echo else None, prompts[idx // req.n])
             choice = {"index": idx, "text": f["text"], "logprobs": lp, "finish_reason": f["finish"]}
             if req.prompt_logprobs is not None:
@@ -458,7 +468,7 @@ class OpenAIServing:
                 n_gen += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
+                    lp = completion_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs or [], req.logprobs,
                                                    out if first_echo else None, prompts[i])
                     base = offsets.get(idx, 0)
                     lp["text_offset"] = [base + o for o in lp["text_offset"]]
@@ -470,25 +480,6 @@ class OpenAIServing:
         if include_usage:
             yield sse(head | {"choices": [], "usage": usage(prompt_tokens, n_gen)})
         yield "data: [DONE]\n\n"
-
-    def _completion_logprobs(self, ids, lps, top, echo_out, prompt) -> dict:
-        tok = self.engine.tokenizer
-        tokens, token_lps, tops = [], [], []
-        if echo_out is not None and echo_out.prompt_logprobs is not None:
-            for pos, t in enumerate(prompt["prompt_token_ids"]):
-                entry = echo_out.prompt_logprobs[pos] if pos < len(echo_out.prompt_logprobs) else None
-                tokens.append(tok.decode([t]) if tok is not None else "")
-                token_lps.append(entry[t].logprob if entry else None)
-                tops.append(top_dict(entry, top) if entry else None)
-        for t, entry in zip(ids, lps):
-            tokens.append(entry[t].decoded_token or "")
-            token_lps.append(entry[t].logprob)
-            tops.append(top_dict(entry, top))
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 async def _close(stream: AsyncIterator[RequestOutput]) -> None:

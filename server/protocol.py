@@ -237,8 +237,9 @@ class TextPart(RequestBody):
 
 
 class MediaPart(RequestBody):
-    """An ``image_url``, ``input_audio`` or ``file`` content part: parsed so that its 400 says what is
-    wrong (no model served here takes them yet), not that the part is not text."""
+    """An ``image_url``, ``input_audio`` or ``file`` content part. An image reaches a model that takes
+    images (``OpenAIServing.chat_images``); any other (or an image for a text-only model) is a 400
+    naming the part's message."""
     type: Literal["image_url", "input_audio", "file"]
     image_url: dict[str, Any] | str | None = None
     input_audio: dict[str, Any] | None = None
@@ -275,15 +276,6 @@ class ChatMessage(RequestBody):
     audio: None = None
     function_call: None = None
 
-    @field_validator("content")
-    @classmethod
-    def _no_media(cls, v):
-        for part in v if isinstance(v, list) else ():
-            if isinstance(part, MediaPart):
-                raise ValueError(f"an {part.type} part, but this model takes no {MEDIA_KINDS[part.type]} "
-                                 "(text parts only)")
-        return v
-
     @model_validator(mode="after")
     def _tool_fields(self):
         if self.role == "tool" and not self.tool_call_id:
@@ -309,10 +301,21 @@ class ChatMessage(RequestBody):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
+    def media(self) -> list[tuple[int, MediaPart]]:
+        """The message's media parts (images...) and their places in ``content``."""
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, MediaPart)] \
+            if isinstance(self.content, list) else []
+
     def template_dict(self) -> dict[str, object]:
         """The message as the chat template gets it: calls with their arguments as objects (as vLLM
-        passes them: templates such as Llama 3.1's and Qwen's serialise them themselves)."""
-        msg: dict[str, object] = {"role": self.role, "content": self.text()}
+        passes them: templates such as Llama 3.1's and Qwen's serialise them themselves); a message with
+        images as parts, ``{"type": "text", "text"}`` and ``{"type": "image"}`` in order (the form the
+        templates of vision-language checkpoints read), else its text."""
+        content: object = self.text()
+        if self.media():
+            content = [{"type": "image"} if isinstance(p, MediaPart) else {"type": "text", "text": p.text}
+                       for p in (self.content if isinstance(self.content, list) else [])]
+        msg: dict[str, object] = {"role": self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_call_id is not None:

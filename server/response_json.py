@@ -34,3 +34,24 @@ def usage_mode(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bo
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tok, ids, lps, top, echo_out, prompt) -> dict:
+    """A completion choice's ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``): with ``echo_out`` (an echo's first output), the prompt's tokens first."""
+    tokens, token_lps, tops = [], [], []
+    if echo_out is not None and echo_out.prompt_logprobs is not None:
+        for pos, t in enumerate(prompt["prompt_token_ids"]):
+            entry = echo_out.prompt_logprobs[pos] if pos < len(echo_out.prompt_logprobs) else None
+            tokens.append(tok.decode([t]) if tok is not None else "")
+            token_lps.append(entry[t].logprob if entry else None)
+            tops.append(top_dict(entry, top) if entry else None)
+    for t, entry in zip(ids, lps):
+        tokens.append(entry[t].decoded_token or "")
+        token_lps.append(entry[t].logprob)
+        tops.append(top_dict(entry, top))
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
