@@ -47,8 +47,8 @@ def _refuse_media(v: Any) -> Any:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in MEDIA_BLOCKS:
             raise ValueError(
-                f"block {i} is an {kind} block, but this model takes no {MEDIA_BLOCKS[kind]} "
-                "(kvforge serves it text only)"
+                f"block {i} is an {kind} block: kvforge's Messages API takes no {MEDIA_BLOCKS[kind]} yet "
+                "(send images to /v1/chat/completions or /v1/responses)"
             )
     return v
 

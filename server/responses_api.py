@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
+from kvforge.server.chat_media import ImagePart, load_images
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, bad_request_from_value_error
 from kvforge.server.protocol import JSON_MODE_SCHEMA, Constraint
@@ -32,6 +33,7 @@ from kvforge.server.response_store import ResponseStore, StoredResponse, json_by
 from kvforge.server.responses_protocol import (
     ITEM,
     FunctionChoice,
+    Message,
     ResponsesRequest,
     TextFormatJSONObject,
     TextFormatJSONSchema,
@@ -121,6 +123,7 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
                            "previous_response_id", code="previous_response_not_found")
         history = previous.items
     items = history + req.items()
+    images = await load_images(input_images(items, len(history)), serving.engine, serving.media)
     items_bytes = _stored_size(req, items, previous, store)
     plan = _tool_plan(req, options)
     constraint = _format_constraint(req)
@@ -150,12 +153,16 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     reasoning = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
     turn = _Turn(req, served.name, plan, reasoning if constraint is None else None, len(ids), items, store, serving,
                  items_bytes)
-    started = await serving.start([{"prompt": prompt, "prompt_token_ids": ids}], [params], turn.id, 0,
+    engine_prompt: dict = {"prompt": prompt, "prompt_token_ids": ids}
+    if images:
+        engine_prompt["multi_modal_data"] = {"image": images}
+    started = await serving.start([engine_prompt], [params], turn.id, 0,
                                   served.lora_request)
     if req.stream:
         return serving.stream(turn.events(serving.merged(started)), started)
     text, finish, n_out, cached = "", None, 0, 0
     async for _, out in serving.merged(started):
+        turn.input_tokens = len(out.prompt_token_ids) or turn.input_tokens  # images' placeholders expanded
         cached = out.num_cached_tokens
         for c in out.outputs:
             text, n_out, finish = text + c.text, n_out + len(c.token_ids), c.finish_reason or finish
@@ -163,6 +170,20 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     body = turn.finished(output, finish, n_out, cached, await turn.count_tokens(reasoning_text))
     turn.keep(body)
     return JSONResponse(body)
+
+
+def input_images(items: list[Any], earlier: int) -> list[ImagePart]:
+    """The conversation's ``input_image`` parts in order: this request's named ``input.N.content.M``, the
+    ``earlier`` items' (a ``previous_response_id`` chain's) ``previous_response_id``."""
+    parts = []
+    for k, item in enumerate(items):
+        for j, part in item.images() if isinstance(item, Message) else ():
+            where = f"input.{k - earlier}.content.{j}" if k >= earlier else "previous_response_id"
+            if part.image_url is None:
+                raise APIError(400, f"{where}: a file_id image is not supported (kvforge has no file store): "
+                                    "send image_url", where)
+            parts.append(ImagePart(where, "input_image", part.image_url))
+    return parts
 
 
 def _stored_size(req: ResponsesRequest, items: list[Any], previous: StoredResponse | None,
@@ -299,6 +320,7 @@ class _Turn:
         finish, n_out, cached = None, 0, 0
         try:
             async for _, out in outputs:
+                self.input_tokens = len(out.prompt_token_ids) or self.input_tokens  # images' placeholders expanded
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     n_out, finish = n_out + len(c.token_ids), c.finish_reason or finish

@@ -60,6 +60,15 @@ class InputText(RequestBody):
     text: str
 
 
+class InputImage(RequestBody):
+    """An image part of a user message: ``image_url`` a data URL or an http(s) URL (a ``file_id`` of
+    OpenAI's file store is a 400); for a model that takes images (``server/chat_media.py``)."""
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["low", "high", "auto", "original"] | None = None  # accepted without effect
+
+
 class OutputText(RequestBody):
     type: Literal["output_text"]
     text: str
@@ -72,7 +81,7 @@ class Refusal(RequestBody):
     refusal: str
 
 
-ContentPart = Annotated[Union[InputText, OutputText, Refusal], Field(discriminator="type")]
+ContentPart = Annotated[Union[InputText, InputImage, OutputText, Refusal], Field(discriminator="type")]
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -87,16 +96,31 @@ class Message(RequestBody):
     @model_validator(mode="after")
     def _parts_fit_the_role(self):
         kinds = {p.type for p in self.content} if isinstance(self.content, list) else set()
-        if self.role != "assistant" and kinds - {"input_text"}:
-            raise ValueError(f"a {self.role} message takes input_text parts, got {sorted(kinds - {'input_text'})}")
-        if self.role == "assistant" and "input_text" in kinds:
-            raise ValueError("an assistant message takes output_text (or refusal) parts, not input_text")
+        if self.role != "assistant" and kinds - {"input_text", "input_image"}:
+            raise ValueError(f"a {self.role} message takes input_text and input_image parts, got "
+                             f"{sorted(kinds - {'input_text', 'input_image'})}")
+        if self.role == "assistant" and kinds & {"input_text", "input_image"}:
+            raise ValueError("an assistant message takes output_text (or refusal) parts, not input_text or input_image")
         return self
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content
+                       if not isinstance(p, InputImage))
+
+    def images(self) -> list[tuple[int, InputImage]]:
+        """Its image parts and their places in ``content``."""
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, InputImage)] \
+            if isinstance(self.content, list) else []
+
+    def template_content(self) -> str | list[dict]:
+        """Its content as the chat template gets it: the text, or with images, ``{"type": "text"}`` and
+        ``{"type": "image"}`` parts in order (as chat's ``ChatMessage.template_dict``)."""
+        if not self.images() or not isinstance(self.content, list):
+            return self.text()
+        return [{"type": "image"} if isinstance(p, InputImage) else
+                {"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text} for p in self.content]
 
 
 class FunctionCallItem(RequestBody):
@@ -197,7 +221,7 @@ def conversation(items: list[Any], instructions: str | None) -> list[dict]:
     conv: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
         if isinstance(item, Message):
-            conv.append({"role": item.role, "content": item.text()})
+            conv.append({"role": item.role, "content": item.template_content()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": json.loads(item.arguments)}}

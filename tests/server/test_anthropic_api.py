@@ -229,7 +229,7 @@ def test_thinking_on_a_model_that_does_not_think_changes_nothing(claude, story):
     ({"messages": [{"role": "user", "content": [{"type": "search_result", "source": "x"}]}]}, "messages.0.content.0",
      "must be text, tool_use, tool_result"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}]},
-     "messages.0.content", "takes no images"),
+     "messages.0.content", "Messages API takes no images yet"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
      "messages.0", "user messages take text, tool_result blocks"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 2}]}, "tools.0.type", "server tool"),

@@ -113,3 +113,21 @@ def test_one_image_too_many_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(messages=ask(url, url, url), **GREEDY)
     assert err.value.body["param"] == "messages.0.content.3" and "--limit-mm-per-prompt" in err.value.body["message"]
+
+
+def test_a_responses_input_image_is_answered_as_chat_answers_the_same_image(client):
+    img = data_url(picture(40, 60, 0))
+    chat = client.chat.completions.create(messages=ask(img), **GREEDY)
+    r = client.responses.create(model="llava", temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True},
+                                input=[{"role": "user", "content": [
+                                    {"type": "input_text", "text": "Describe this picture in detail, please."},
+                                    {"type": "input_image", "image_url": img}]}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens  # the placeholders counted alike
+    follow = client.responses.create(model="llava", temperature=0, max_output_tokens=2, previous_response_id=r.id,
+                                     input="And the colours?")
+    assert follow.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens  # the image is in the chain
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-123"}]}])
+    assert err.value.body["param"] == "input.0.content.0" and "file_id" in err.value.body["message"]

@@ -215,7 +215,7 @@ class _FakeServing:
 async def _outputs(pieces, finish, fail=None):
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        yield 0, SimpleNamespace(num_cached_tokens=0, outputs=[SimpleNamespace(
+        yield 0, SimpleNamespace(num_cached_tokens=0, prompt_token_ids=[], outputs=[SimpleNamespace(
             text=piece, token_ids=[0], finish_reason=finish if last and fail is None else None)])
     if fail is not None:
         raise fail
