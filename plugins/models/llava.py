@@ -102,7 +102,15 @@ class CLIPEncoder(nn.Module):
 
 
 class CLIPVisionTower(nn.Module):
-    """transformers' ``CLIPVisionModel`` up to the layer whose hidden states LLaVA reads."""
+    """transformers' ``CLIPVisionModel`` up to the layer whose hidden states LLaVA reads. A tower class
+    (``LlavaForConditionalGeneration.vision_tower_cls``) is built as ``cls(vision_config, num_layers)``,
+    maps pixels to [n, rows(vision_config), hidden], and names its parameters as the checkpoint's
+    ``vision_model.*`` tensors (attention projections ``q``/``k``/``v``/``out``)."""
+
+    @staticmethod
+    def rows(vc: Mapping[str, Any]) -> int:
+        """Rows per image: the CLS row and one per patch."""
+        return (vc["image_size"] // vc["patch_size"]) ** 2 + 1
 
     def __init__(self, vc: Mapping[str, Any], num_layers: int):
         super().__init__()
@@ -132,12 +140,13 @@ class LlavaProcessor:
 
     modalities = ("image",)
 
-    def __init__(self, config: ModelConfig, model_dir: str | None):
+    def __init__(self, config: ModelConfig, model_dir: str | None, tower_rows: int):
+        """``tower_rows``: the rows the vision tower gives per image (the CLS row is dropped unless the
+        feature selection is ``full``)."""
         hf = config.hf_config
         vc = hf["vision_config"]
         self.token_id = int(hf.get("image_token_index", hf.get("image_token_id", 32000)))
-        self.length = (vc["image_size"] // vc["patch_size"]) ** 2 + (hf.get("vision_feature_select_strategy")
-                                                                      == "full")
+        self.length = tower_rows - (hf.get("vision_feature_select_strategy", "default") != "full")
         self.image_processor = _image_processor(model_dir, vc["image_size"])
 
     def process(self, prompt_token_ids: list[int], items: Mapping[str, Sequence[Any]]) -> ProcessedPrompt:
@@ -165,6 +174,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     """The model plugin for ``LlavaForConditionalGeneration`` with a Llama-family text model."""
 
     family = ModelFamily(model_types={"llava": "LlavaForConditionalGeneration"})
+    #: the vision tower's class (a subclass of this model with another tower swaps it: the dummy plugin's
+    #: SigLIP LLaVA)
+    vision_tower_cls: type[nn.Module] = CLIPVisionTower
+    #: the vision_config model types the tower reads
+    vision_model_types: tuple[str, ...] = ("clip_vision_model",)
     capabilities = ModelCapabilities(sliding_window=False, tensor_parallel=True, pipeline_parallel=False,
                                      quantization=False, modalities=("image",),
                                      notes="LLaVA-1.5: CLIP tower (replicated) + MLP projector + Llama decoder")
@@ -176,7 +190,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         layer = int(hf.get("vision_feature_layer", -2))
         total = vc["num_hidden_layers"]
         self.vision_layers = layer if layer >= 0 else total + 1 + layer  # layers run: hidden_states[layer]
-        self.vision_tower = CLIPVisionTower(vc, self.vision_layers)
+        self.vision_tower = self.vision_tower_cls(vc, self.vision_layers)
         self.multi_modal_projector = LlavaProjector(vc["hidden_size"], config.hidden_size,
                                                     hf.get("projector_hidden_act", "gelu"))
         self.keep_cls = hf.get("vision_feature_select_strategy", "default") == "full"
@@ -187,14 +201,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if text_type not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"config.json text_config.model_type is {text_type!r}; LLaVA runs a Llama, "
                              "Mistral or Qwen2 decoder")
-        if "vision_config" not in hf or (hf["vision_config"].get("model_type") or "clip_vision_model") != \
-                "clip_vision_model":
-            raise ValueError("config.json vision_config must be a CLIP vision tower (model_type clip_vision_model)")
+        vision_type = (hf.get("vision_config") or {}).get("model_type") or "clip_vision_model"
+        if "vision_config" not in hf or vision_type not in cls.vision_model_types:
+            raise ValueError(f"config.json vision_config.model_type is {vision_type!r}; {cls.__name__} reads "
+                             f"{', '.join(cls.vision_model_types)}")
         return cls.config_class(**fields)
 
     @classmethod
     def processor(cls, config: ModelConfig, model_dir: str | None) -> LlavaProcessor:
-        return LlavaProcessor(config, model_dir)
+        rows = cls.vision_tower_cls.rows(config.hf_config["vision_config"])
+        return LlavaProcessor(config, model_dir, rows)
 
     def embed_multimodal(self, features: Sequence[MultiModalFeature]) -> list[torch.Tensor]:
         """Each image's embedding rows [length, hidden], in the model's dtype, on its device."""
@@ -222,7 +238,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 if name.startswith("vision_tower."):
                     name = name.replace("vision_tower.vision_model.", "vision_tower.")
                     parts = name.split(".")
-                    if name.startswith("vision_tower.post_layernorm.") or (
+                    if name.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")) or (
                             name.startswith("vision_tower.encoder.layers.") and int(parts[3]) >= self.vision_layers):
                         continue
                     for proj in ("q", "k", "v", "out"):

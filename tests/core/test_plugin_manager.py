@@ -226,7 +226,7 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
                                             "logits_processor": ["fault", "dummy_ban", "dummy_script"], "drafter": ["dummy_repeat"],
                                             "executor": ["dummy_counting"],
-                                            "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM"],
+                                            "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM", "SiglipLlavaForConditionalGeneration"],
                                             "tool_parser": ["dummy_xml"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
     assert report["quantization"]["registers"] == {

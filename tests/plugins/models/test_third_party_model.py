@@ -62,3 +62,46 @@ def test_a_model_class_adds_the_attention_features_its_config_cannot_say():
     assert attention_features(object, mc) == frozenset()
     windowed = ModelConfig(**{**mc.to_dict(), "sliding_window": 8})
     assert attention_features(WithSinks, windowed) == {"attention_sinks", "sliding_window"}
+
+
+def test_third_party_siglip_llava_takes_images_and_equals_transformers(dummy_plugin_installed, tmp_path):
+    """The multimodal contract from a package: the dummy plugin's LLaVA with a SigLIP tower gives
+    transformers' greedy tokens for prompts with 0, 1 and 2 images, whole and split across chunks."""
+    import numpy as np
+    from PIL import Image
+
+    text = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                             num_attention_heads=4, image_size=28, patch_size=14)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=100,
+                                      vision_feature_layer=-1, vision_feature_select_strategy="full")
+    torch.manual_seed(0)
+    hf = transformers.LlavaForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path)
+    processor = transformers.SiglipImageProcessor(size={"height": 28, "width": 28})
+    processor.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"architectures": ["SiglipLlavaForConditionalGeneration"]}))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((40, 60), (30, 30))]
+    cases = [([5, 100, 6, 7], images[:1]), ([8, 100, 9, 100, 10], images), ([11, 12, 13], [])]
+
+    def reference(ids, imgs):  # transformers: each placeholder expanded to the 4 patches' rows
+        expanded = [t for i in ids for t in ([100] * 4 if i == 100 else [i])]
+        kw = {"pixel_values": processor(images=imgs, return_tensors="pt")["pixel_values"]} if imgs else {}
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([expanded]), max_new_tokens=8, do_sample=False, **kw)
+        return out[0, len(expanded):].tolist()
+
+    for budget in (256, 3):
+        llm = LLM(model=str(tmp_path), device="cpu", max_num_batched_tokens=budget, limit_mm_per_prompt={"image": 2},
+                  num_gpu_blocks_override=32, max_model_len=128)
+        outs = llm.generate([{"prompt_token_ids": ids, **({"multi_modal_data": {"image": imgs}} if imgs else {})}
+                             for ids, imgs in cases], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [reference(ids, imgs) for ids, imgs in cases], budget

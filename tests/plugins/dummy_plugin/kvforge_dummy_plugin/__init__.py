@@ -1,5 +1,6 @@
 """A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter, an executor,
-a quantization method, a model architecture (Granite) and a tool-call parser."""
+a quantization method, two model architectures (Granite, and a LLaVA with a SigLIP tower that takes images)
+and a tool-call parser."""
 import kvforge
 
 
@@ -38,6 +39,8 @@ def register_executors(register):
 @kvforge.hookimpl
 def register_models(register):
     register("GraniteForCausalLM", "kvforge_dummy_plugin.granite:GraniteForCausalLM")
+    register("SiglipLlavaForConditionalGeneration",
+             "kvforge_dummy_plugin.siglip_llava:SiglipLlavaForConditionalGeneration")
 
 
 @kvforge.hookimpl
