@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from kvforge.server.chat_media import ImagePart, load_images
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, anthropic_error_body, bad_request_from_value_error
 from kvforge.server.protocol import Constraint
@@ -52,6 +53,10 @@ def add_anthropic_routes(app: FastAPI, models: ServedModels, fields: FieldPolicy
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
         fields.screen(req)
+        if req.image_urls():  # a model's image placeholders are counted where the engine processes prompts
+            where = req.image_urls()[0][0]
+            raise APIError(400, f"{where}: count_tokens does not count images yet; send the request without them",
+                           where)
         _, ids = await render(req, models.resolve(req.model).serving)
         return {"input_tokens": len(ids)}
 
@@ -108,6 +113,8 @@ async def create(req: MessagesRequest, served: ServedModel) -> JSONResponse | Ab
             "cannot think first; leave thinking out, or use tool_choice auto or none",
             "thinking",
         )
+    images = await load_images([ImagePart(where, "image", url) for where, url in req.image_urls()], serving.engine,
+                               serving.media)
     prompt, ids = await render(req, serving)
     max_tokens = serving.max_tokens(len(ids), req.max_tokens, "messages")
     try:
@@ -128,13 +135,15 @@ async def create(req: MessagesRequest, served: ServedModel) -> JSONResponse | Ab
         get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser and constraint is None else None
     )
     reply = _Reply(served.name, plan, reasoning, req.show_thinking(), req.stop_sequences or [], len(ids))
-    started = await serving.start(
-        [{"prompt": prompt, "prompt_token_ids": ids}], [params], reply.id, 0, served.lora_request
-    )
+    engine_prompt: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": ids}
+    if images:
+        engine_prompt["multi_modal_data"] = {"image": images}
+    started = await serving.start([engine_prompt], [params], reply.id, 0, served.lora_request)
     if req.stream:
         return serving.stream(reply.events(serving.merged(started)), started)
     text, finish, matched, n_out = "", None, None, 0
     async for _, out in serving.merged(started):
+        reply.input_tokens = len(out.prompt_token_ids) or reply.input_tokens  # images' placeholders expanded
         for c in out.outputs:
             text, n_out = text + c.text, n_out + len(c.token_ids)
             if c.finish_reason is not None:
@@ -244,6 +253,7 @@ class _Reply:
         finish, matched, n_out = None, None, 0
         try:
             async for _, out in outputs:
+                self.input_tokens = len(out.prompt_token_ids) or self.input_tokens  # images' placeholders expanded
                 for c in out.outputs:
                     n_out += len(c.token_ids)
                     if c.finish_reason is not None:

@@ -42,15 +42,29 @@ MEDIA_BLOCKS = {"image": "images", "document": "documents"}
 
 
 def _refuse_media(v: Any) -> Any:
-    """A ``mode="before"`` check of a block list: an image or document block is a 400 saying why."""
+    """A ``mode="before"`` check of a tool result's blocks: an image or document block is a 400 saying why."""
     for i, block in enumerate(v if isinstance(v, list) else ()):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in MEDIA_BLOCKS:
-            raise ValueError(
-                f"block {i} is an {kind} block: kvforge's Messages API takes no {MEDIA_BLOCKS[kind]} yet "
-                "(send images to /v1/chat/completions or /v1/responses)"
-            )
+            raise ValueError(f"block {i} is an {kind} block: kvforge takes no {MEDIA_BLOCKS[kind]} in a tool result")
     return v
+
+
+def _refuse_documents(v: Any) -> Any:
+    """A ``mode="before"`` check of a message's blocks: a document block is a 400 saying why (an image
+    block goes to a model that takes images)."""
+    for i, block in enumerate(v if isinstance(v, list) else ()):
+        if isinstance(block, dict) and block.get("type") == "document":
+            raise ValueError("block {i} is a document block: kvforge's Messages API takes no documents".format(i=i))
+    return v
+
+
+def _template_content(parts: list) -> str | list[dict]:
+    """A user turn's text, or with images, ``{"type": "text"}`` and ``{"type": "image"}`` parts in order
+    (as chat's image messages reach the template)."""
+    if not any(isinstance(p, ImageBlock) for p in parts):
+        return "".join(p.text for p in parts)
+    return [{"type": "image"} if isinstance(p, ImageBlock) else {"type": "text", "text": p.text} for p in parts]
 
 
 # -- content blocks ---------------------------------------------------------------------------------
@@ -87,6 +101,29 @@ class ToolResultBlock(RequestBody):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
+class ImageSource(RequestBody):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif or image/webp
+    data: str | None = None
+    url: str | None = None
+
+    def image_url(self) -> str | None:
+        """The image as a URL ``kvforge.multimodal.media.load_image`` reads (a base64 source as a data URL)."""
+        if self.type == "url":
+            return self.url
+        if self.data is None or self.media_type is None:
+            return None
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(RequestBody):
+    """An image in a user message, for a model that takes images (``server/chat_media.py``)."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+
 class ThinkingBlock(RequestBody):
     type: Literal["thinking"]
     thinking: str
@@ -98,7 +135,7 @@ class RedactedThinkingBlock(RequestBody):
     data: str
 
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 def _block_type(v: Any) -> str | None:
@@ -109,6 +146,7 @@ def _block_type(v: Any) -> str | None:
 ContentBlock = Annotated[
     Union[
         Annotated[TextBlock, Tag("text")],
+        Annotated[ImageBlock, Tag("image")],
         Annotated[ToolUseBlock, Tag("tool_use")],
         Annotated[ToolResultBlock, Tag("tool_result")],
         Annotated[ThinkingBlock, Tag("thinking")],
@@ -118,14 +156,14 @@ ContentBlock = Annotated[
         _block_type,
         custom_error_type="block_type",
         custom_error_message=(
-            "a content block must be text, tool_use, tool_result, thinking or redacted_thinking (kvforge runs no "
+            "a content block must be text, image, tool_use, tool_result, thinking or redacted_thinking (kvforge runs no "
             "server tools, so none of their blocks can come back)"
         ),
     ),
 ]
 #: the blocks each role may hold
 _ROLE_BLOCKS = {
-    "user": ("text", "tool_result"),
+    "user": ("text", "image", "tool_result"),
     "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
     "system": ("text",),
 }
@@ -135,7 +173,7 @@ class Message(RequestBody):
     role: Literal["user", "assistant", "system"]
     content: list[ContentBlock] | str  # the list first: its errors are the ones reported
 
-    _media = field_validator("content", mode="before")(_refuse_media)
+    _media = field_validator("content", mode="before")(_refuse_documents)
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
@@ -321,20 +359,25 @@ class CountTokensRequest(RequestBody):
             elif isinstance(m.content, str):
                 conv.append({"role": m.role, "content": m.content})
             else:
-                text: list[str] = []
+                parts: list[TextBlock | ImageBlock] = []
                 for b in m.content:
                     if isinstance(b, ToolResultBlock):
-                        if text:
-                            conv.append({"role": m.role, "content": "".join(text)})
-                            text = []
+                        if parts:
+                            conv.append({"role": m.role, "content": _template_content(parts)})
+                            parts = []
                         conv.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
-                    elif isinstance(b, TextBlock):
-                        text.append(b.text)
-                if text or not m.content:
-                    conv.append({"role": m.role, "content": "".join(text)})
+                    elif isinstance(b, (TextBlock, ImageBlock)):
+                        parts.append(b)
+                if parts or not m.content:
+                    conv.append({"role": m.role, "content": _template_content(parts)})
         if self.messages[-1].role == "assistant":
             return conv[:-1], conv[-1]["content"]
         return conv, None
+
+    def image_urls(self) -> list[tuple[str, str | None]]:
+        """``(messages.N.content.M, URL)`` of each image block, in order."""
+        return [(f"messages.{i}.content.{j}", b.source.image_url()) for i, m in enumerate(self.messages)
+                if isinstance(m.content, list) for j, b in enumerate(m.content) if isinstance(b, ImageBlock)]
 
     def show_thinking(self) -> bool:
         """Thinking blocks in the answer: with thinking enabled or adaptive, unless displayed as omitted."""

@@ -76,6 +76,27 @@ def test_greedy_tokens_equal_transformers_with_0_1_2_images_batched(llava, image
     assert other == reference(hf, path, CASES[0][0], [images[2]]) != refs[0]
 
 
+def test_preempted_image_requests_keep_their_tokens_and_are_not_encoded_again(llava, images, monkeypatch):
+    """Too few KV blocks for the batch: requests are preempted and recomputed, and their images come from
+    the encoder cache, not the tower, the second time."""
+    path, hf = llava
+    from kvforge.plugins.models.llava import LlavaForConditionalGeneration
+
+    encoded = []
+    embed = LlavaForConditionalGeneration.embed_multimodal
+    monkeypatch.setattr(LlavaForConditionalGeneration, "embed_multimodal",
+                        lambda self, fs: encoded.extend(f.content_hash for f in fs) or embed(self, fs))
+    llm = LLM(path, device="cpu", max_model_len=24, num_gpu_blocks_override=6, block_size=4,
+              limit_mm_per_prompt={"image": 2}, enable_prefix_caching=False)
+    cases = [([5, 6, IMG, 7, 8], [0]), ([9, IMG, 10, IMG, 11], [0, 1]), ([21, IMG, 22], [2])]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([prompt(ids, [images[i] for i in which]) for ids, which in cases], params)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [
+        reference(hf, path, ids, [images[i] for i in which], 10) for ids, which in cases]
+    assert sorted(encoded) == sorted(image_hash(images[i]) for i in (0, 1, 2))
+
+
 def test_a_repeated_image_hits_the_prefix_cache_and_another_image_does_not(llava, images):
     path, _ = llava
     llm = LLM(path, device="cpu", max_model_len=128, num_gpu_blocks_override=64, block_size=4,

@@ -227,11 +227,11 @@ def test_thinking_on_a_model_that_does_not_think_changes_nothing(claude, story):
     ({"max_tokens": None}, "max_tokens", "field required"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"messages": [{"role": "user", "content": [{"type": "search_result", "source": "x"}]}]}, "messages.0.content.0",
-     "must be text, tool_use, tool_result"),
+     "must be text, image, tool_use, tool_result"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}]},
-     "messages.0.content", "Messages API takes no images yet"),
+     "messages.0.content", "this model takes no images"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
-     "messages.0", "user messages take text, tool_result blocks"),
+     "messages.0", "user messages take text, image, tool_result blocks"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 2}]}, "tools.0.type", "server tool"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice", "not one of the tools"),
     ({"thinking": {"type": "between_tools"}}, "thinking.type", "'enabled', 'adaptive' or 'disabled'"),
@@ -299,7 +299,7 @@ def test_thinking_without_a_reasoning_parser_is_refused(server):
 async def _outputs(pieces, finish, stop_reason=None, fail=None):
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1 and fail is None
-        yield 0, SimpleNamespace(outputs=[SimpleNamespace(text=piece, token_ids=[0], finish_reason=finish if last else None,
+        yield 0, SimpleNamespace(prompt_token_ids=[], outputs=[SimpleNamespace(text=piece, token_ids=[0], finish_reason=finish if last else None,
                                                           stop_reason=stop_reason if last else None)])
     if fail is not None:
         raise fail

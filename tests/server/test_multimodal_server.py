@@ -131,3 +131,24 @@ def test_a_responses_input_image_is_answered_as_chat_answers_the_same_image(clie
         client.responses.create(model="llava", max_output_tokens=2, input=[{"role": "user", "content": [
             {"type": "input_image", "file_id": "file-123"}]}])
     assert err.value.body["param"] == "input.0.content.0" and "file_id" in err.value.body["message"]
+
+
+def test_an_anthropic_image_block_is_answered_as_chat_answers_the_same_image(served):
+    import anthropic
+
+    img = picture(40, 60, 0)
+    chat = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0).chat.completions.create(
+        messages=ask(data_url(img)), **GREEDY)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    claude = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
+    blocks = [{"type": "text", "text": "Describe this picture in detail, please."},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(buf.getvalue()).decode()}}]
+    r = claude.messages.create(model="llava", max_tokens=6, messages=[{"role": "user", "content": blocks}],
+                               extra_body={"temperature": 0, "ignore_eos": True})
+    assert r.content[0].text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.count_tokens(model="llava", messages=[{"role": "user", "content": blocks}])
+    assert "messages.0.content.1: count_tokens does not count images" in err.value.body["error"]["message"]
