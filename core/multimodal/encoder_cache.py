@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +29,19 @@ class EncoderWork:
     encode: list = field(default_factory=list)
     free: list[int] = field(default_factory=list)
     places: np.ndarray | None = None
+
+
+def reaches_placeholders(reqs: Sequence, num_new: Mapping[str, int]) -> bool:
+    """Whether a step whose request r computes ``num_new[r.request_id]`` tokens from its
+    ``num_computed_tokens`` reaches any image placeholder (such a step merges embeddings, so it never
+    replays a CUDA graph: a graph embeds its input ids itself)."""
+    for r in reqs:
+        if r.mm_features:
+            start = r.num_computed_tokens
+            end = start + num_new[r.request_id]
+            if any(f.offset < end and f.end > start for f in r.mm_features):
+                return True
+    return False
 
 
 class EncoderCachePlan:

@@ -16,6 +16,7 @@ from kvforge.attention import AttentionBackend
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.kv_cache import KVCacheManager
 from kvforge.model.interface import capabilities_of
+from kvforge.multimodal.encoder_cache import reaches_placeholders
 from kvforge.rank.cuda_graphs import CUDAGraphRunner
 from kvforge.rank.executor import Executor
 from kvforge.rank.input_buffers import h2d
@@ -74,7 +75,8 @@ class ModelRunner:
         self.sampler.release(out.finished_request_ids)
         graphs = self.worker.graphs
         graph_key = None  # (padded batch size, query tokens per sequence) of a uniform step
-        if graphs is not None and not _computes_prompt_logprobs(out):
+        if graphs is not None and not _computes_prompt_logprobs(out) and not (
+                self.builder.encoder is not None and reaches_placeholders(out.scheduled, out.num_scheduled_tokens)):
             graph_key = graphs.padded_size(out)
         step, plan = self.builder.build(out, kv, graph_key, prev.sample_reqs if prev is not None else None)
         if plan.sample_reqs:

@@ -296,6 +296,8 @@ class Worker:
         verification graph's greedy head (``CUDAGraphRunner.head``). ``embeds``: a multimodal step's
         input embeddings (images merged in), which the model takes instead of embedding ``ids``."""
         if graphs is not None and step.graph_key is not None:  # a uniform step (decode, or k drafts each)
+            if embeds is not None:  # (the runner never asks: a graph embeds its input ids itself)
+                raise RuntimeError("a step with image placeholders cannot replay a CUDA graph")
             return graphs.replay(layout)[:step.num_tokens], graphs.head(step.graph_key)
         meta = self.attn.build_metadata(layout)
         if embeds is not None:

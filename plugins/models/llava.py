@@ -176,7 +176,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     family = ModelFamily(model_types={"llava": "LlavaForConditionalGeneration"})
     #: the vision tower's class (a subclass of this model with another tower swaps it: the dummy plugin's
     #: SigLIP LLaVA)
-    vision_tower_cls: type[nn.Module] = CLIPVisionTower
+    vision_tower_cls: Any = CLIPVisionTower  # (a class with rows(): typed loosely, as a plugin's is not CLIP's)
     #: the vision_config model types the tower reads
     vision_model_types: tuple[str, ...] = ("clip_vision_model",)
     capabilities = ModelCapabilities(sliding_window=False, tensor_parallel=True, pipeline_parallel=False,

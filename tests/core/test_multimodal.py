@@ -169,3 +169,20 @@ def test_tensor_parallel_ranks_each_encode_the_images_and_give_the_same_tokens(l
             reference(hf, path, ids, [images[i] for i in which]) for ids, which in CASES[:2]]
     finally:
         llm.shutdown()
+
+
+def test_a_step_that_reaches_an_image_never_replays_a_cuda_graph():
+    """A uniform step of one token a request (the shape decode graphs capture) can still be a prompt
+    chunk landing on an image placeholder: the runner must run it eagerly, merging the image's rows."""
+    from types import SimpleNamespace
+
+    from kvforge.multimodal.encoder_cache import reaches_placeholders
+    from kvforge.multimodal.inputs import MultiModalFeature
+
+    image = MultiModalFeature("image", {}, offset=4, length=4, content_hash=1)
+    at = lambda computed: SimpleNamespace(request_id="a", num_computed_tokens=computed, mm_features=(image,))  # noqa: E731
+    text = SimpleNamespace(request_id="b", num_computed_tokens=0, mm_features=())
+    assert not reaches_placeholders([at(3), text], {"a": 1, "b": 1})  # position 3: text before the image
+    assert reaches_placeholders([at(3), text], {"a": 2, "b": 1})  # 3-4: its first row
+    assert reaches_placeholders([at(7), text], {"a": 1, "b": 1})  # 7: its last row
+    assert not reaches_placeholders([at(8), text], {"a": 1, "b": 1})  # decoding after it
