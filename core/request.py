@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.errors import RequestFailure
+from kvforge.multimodal.inputs import block_extra_keys
 from kvforge.sampling_params import SamplingParams
 
 #: stands in ``output_token_ids`` for a token an in-flight step is sampling (async scheduling)
@@ -98,8 +99,6 @@ class Request:
         image hits the cache, another behind the same placeholder tokens does not)."""
         if not self.mm_features:
             return self.cache_key
-        from kvforge.multimodal.inputs import block_extra_keys
-
         items = block_extra_keys(self.mm_features, start, end)
         return self.cache_key if items is None else (self.cache_key, items)
 

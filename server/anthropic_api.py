@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 from kvforge.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from kvforge.server.chat_media import ImagePart, load_images
+from kvforge.server.chat_media import ImagePart, engine_prompt, load_images
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, anthropic_error_body, bad_request_from_value_error
 from kvforge.server.protocol import Constraint
@@ -135,10 +135,7 @@ async def create(req: MessagesRequest, served: ServedModel) -> JSONResponse | Ab
         get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser and constraint is None else None
     )
     reply = _Reply(served.name, plan, reasoning, req.show_thinking(), req.stop_sequences or [], len(ids))
-    engine_prompt: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": ids}
-    if images:
-        engine_prompt["multi_modal_data"] = {"image": images}
-    started = await serving.start([engine_prompt], [params], reply.id, 0, served.lora_request)
+    started = await serving.start([engine_prompt(prompt, ids, images)], [params], reply.id, 0, served.lora_request)
     if req.stream:
         return serving.stream(reply.events(serving.merged(started)), started)
     text, finish, matched, n_out = "", None, None, 0

@@ -29,11 +29,10 @@ class ImagePart:
 
 async def load_images(parts: Sequence[ImagePart], engine: EngineClient, limits: MediaLimits) -> list[Any]:
     """The parts' images, decoded, in order ([] for none); 400s name the part."""
-    for part in parts:
-        if "image" not in engine.modalities:
-            content = part.where.rsplit(".", 1)[0]
-            raise APIError(400, f"{content}: an {part.kind} part, but this model takes no images (text parts only)",
-                           content)
+    if parts and "image" not in engine.modalities:
+        content = parts[0].where.rsplit(".", 1)[0]
+        raise APIError(400, f"{content}: an {parts[0].kind} part, but this model takes no images (text parts only)",
+                       content)
     limit = (engine.config.limit_mm_per_prompt or {}).get("image", 1)
     if len(parts) > limit:
         where = parts[limit].where
@@ -47,6 +46,14 @@ async def load_images(parts: Sequence[ImagePart], engine: EngineClient, limits: 
         except ValueError as exc:
             raise APIError(400, f"{part.where}: {exc}", part.where) from None
     return images
+
+
+def engine_prompt(text: str, ids: list[int], images: list[Any]) -> dict[str, Any]:
+    """The prompt an engine request gets: the rendered text, its ids and, if any, its images."""
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
 
 
 async def chat_images(messages: Sequence[ChatMessage], engine: EngineClient, limits: MediaLimits) -> list[Any]:

@@ -19,7 +19,7 @@ from kvforge.engine.client import EngineClient
 from kvforge.engine.input_checks import check_extra_args
 from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.multimodal.media import MediaLimits
-from kvforge.server.chat_media import chat_images
+from kvforge.server.chat_media import chat_images, engine_prompt
 from kvforge.server.chat_output import ChoiceOutput
 from kvforge.server.disconnect import AbortingStreamingResponse
 from kvforge.server.errors import APIError, bad_request_from_value_error, error_body
@@ -261,10 +261,8 @@ class OpenAIServing:
         reasoning_cls = get_reasoning_parser(reasoning) if reasoning else None
         outputs = [ChoiceOutput(plan, reasoning_cls, params.structured_outputs is not None) for _ in range(req.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt: dict = {"prompt": text, "prompt_token_ids": ids}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
-        started = await self.start([prompt], [params], rid, req.priority, served.lora_request)
+        started = await self.start([engine_prompt(text, ids, images)], [params], rid, req.priority,
+                                   served.lora_request)
         created = int(time.time())
         if req.stream:
             return self.stream(self._chat_stream(started, rid, created, model, outputs, top, len(ids),

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from kvforge.errors import EngineDeadError, RequestFailedError
 from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
-from kvforge.server.chat_media import ImagePart, load_images
+from kvforge.server.chat_media import ImagePart, engine_prompt, load_images
 from kvforge.server.disconnect import AbortingStreamingResponse, until_disconnect
 from kvforge.server.errors import APIError, bad_request_from_value_error
 from kvforge.server.protocol import JSON_MODE_SCHEMA, Constraint
@@ -153,10 +153,7 @@ async def create(req: ResponsesRequest, served: ServedModel, store: ResponseStor
     reasoning = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
     turn = _Turn(req, served.name, plan, reasoning if constraint is None else None, len(ids), items, store, serving,
                  items_bytes)
-    engine_prompt: dict = {"prompt": prompt, "prompt_token_ids": ids}
-    if images:
-        engine_prompt["multi_modal_data"] = {"image": images}
-    started = await serving.start([engine_prompt], [params], turn.id, 0,
+    started = await serving.start([engine_prompt(prompt, ids, images)], [params], turn.id, 0,
                                   served.lora_request)
     if req.stream:
         return serving.stream(turn.events(serving.merged(started)), started)

@@ -91,3 +91,17 @@ def gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+
+
+def doc_field_table(doc, marker: str) -> list[str]:
+    """The field names (backquoted words of the first column) of the table after ``<!-- fields: marker -->``
+    in the Markdown file ``doc``: what the docs-hold-the-code tests compare with the request models."""
+    import re
+
+    lines = doc.read_text().splitlines()
+    rows = []
+    for line in lines[lines.index(f"<!-- fields: {marker} -->") + 1:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return [name for row in rows[2:] for name in re.findall(r"`(\w+)`", row.split("|")[1])]

@@ -8,11 +8,12 @@ loop; the engine schedules and caches by them; the worker merges their embedding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvforge.multimodal.media import DEFAULT_MEDIA, MediaLimits, load_image
+
+if TYPE_CHECKING:
+    import torch
 
 #: the modalities kvforge knows (a model declares the ones it takes: ModelCapabilities.modalities)
 MODALITIES = ("image",)

@@ -65,9 +65,10 @@ class PagedKVCacheManager(KVCacheManager):
         max_blocks = (request.num_tokens - 1) // bs  # leave at least one token to compute
         found: list[int] = []
         parent_hash, parent_id = None, None
+        extra, images = request.cache_key, bool(request.mm_features)  # (a text request's key is one per request)
         for i in range(max_blocks):
             tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
-            h = hash_block(parent_hash, tokens, request.block_key(i * bs, (i + 1) * bs))
+            h = hash_block(parent_hash, tokens, request.block_key(i * bs, (i + 1) * bs) if images else extra)
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -84,10 +85,11 @@ class PagedKVCacheManager(KVCacheManager):
         rid = request.request_id
         hashes = self.hashes.setdefault(rid, [])
         start = self.num_hashed.get(rid, 0)
+        extra, images = request.cache_key, bool(request.mm_features)
         for i in range(start, num_tokens // bs):
             tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
             parent_hash = hashes[i - 1] if i else None
-            h = hash_block(parent_hash, tokens, request.block_key(i * bs, (i + 1) * bs))
+            h = hash_block(parent_hash, tokens, request.block_key(i * bs, (i + 1) * bs) if images else extra)
             hashes.append(h)
             if table[i] == NULL_BLOCK:  # given back behind the window (swapped in again): chain only
                 continue

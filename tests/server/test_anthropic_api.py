@@ -34,6 +34,7 @@ from kvforge.server.errors import error_body, error_event
 from kvforge.server.request_id import RequestInfo, _current
 from kvforge.server.tools import FunctionDef, ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
+from testing_support import doc_field_table
 
 MODEL = "smol"
 GREEDY = {"temperature": 0}
@@ -394,13 +395,7 @@ def test_errors_take_anthropic_s_shape_on_the_messages_routes_only(path, anthrop
 
 # -- docs/server.md's tables are the models' fields --------------------------------------------------------
 def table(marker: str) -> list[str]:
-    lines = DOC.read_text().splitlines()
-    rows = []
-    for line in lines[lines.index(f"<!-- fields: {marker} -->") + 1:]:
-        if not line.startswith("|"):
-            break
-        rows.append(line)
-    return [name for row in rows[2:] for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    return doc_field_table(DOC, marker)
 
 
 def test_docs_list_every_field_as_honoured_without_effect_or_refused():

@@ -4,19 +4,13 @@ import re
 from pathlib import Path
 
 from kvforge.server.protocol import REFUSED, WITHOUT_EFFECT, ChatCompletionRequest, CompletionRequest
+from testing_support import doc_field_table
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 
 
 def table(marker: str) -> list[str]:
-    lines = DOC.read_text().splitlines()
-    start = lines.index(f"<!-- fields: {marker} -->")
-    rows = []
-    for line in lines[start + 1:]:
-        if not line.startswith("|"):
-            break
-        rows.append(line)
-    return [name for row in rows[2:] for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    return doc_field_table(DOC, marker)
 
 
 def fields(model) -> set[str]:

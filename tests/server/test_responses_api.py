@@ -21,6 +21,7 @@ from kvforge.server.responses_api import _Turn
 from kvforge.server.responses_protocol import MAX_UNRENDERED_ITEM_BYTES, RESPONSES_REFUSED, ResponsesRequest
 from kvforge.server.tools import ToolOptions, ToolPlan
 from kvforge.tool_parsing import get_reasoning_parser
+from testing_support import doc_field_table
 
 MODEL = "smol"
 GREEDY = dict(model=MODEL, temperature=0)
@@ -317,13 +318,7 @@ def test_an_unrendered_item_over_its_limit_is_a_400_naming_input_and_one_under_i
 
 def test_docs_list_the_honoured_and_refused_fields():
     def table(marker):
-        lines = DOC.read_text().splitlines()
-        rows = []
-        for line in lines[lines.index(f"<!-- fields: {marker} -->") + 1:]:
-            if not line.startswith("|"):
-                break
-            rows.append(line)
-        return [name for row in rows[2:] for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+        return doc_field_table(DOC, marker)
 
     fields = set(ResponsesRequest.model_fields)
     assert table("responses-refused") == list(RESPONSES_REFUSED)
