@@ -82,13 +82,13 @@ LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def build_llava(path: str, seed: int = 0, tokenizer: Any = None) -> torch.nn.Module:
+def build_llava(path: str, seed: int = 0, tokenizer: Any = None, **text_fields: Any) -> torch.nn.Module:
     """A tiny random LLaVA-1.5 (CLIP tower of 3 layers on 28x28 images in 14x14 patches, MLP projector,
     a Llama decoder of ``_BASE``'s shape), every weight perturbed, saved with its image processor to
     ``path``; returns it in float32. ``tokenizer``: saved with it, an ``<image>`` token and
     :data:`LLAVA_CHAT_TEMPLATE` added, the vocabulary its size (else ``VOCAB`` ids, token
-    :data:`LLAVA_IMAGE_TOKEN` the image's)."""
-    base = dict(_BASE)
+    :data:`LLAVA_IMAGE_TOKEN` the image's). ``text_fields``: the decoder's config fields over ``_BASE``'s."""
+    base = dict(_BASE, **text_fields)
     image_token = LLAVA_IMAGE_TOKEN
     if tokenizer is not None:
         tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
