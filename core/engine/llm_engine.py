@@ -144,9 +144,7 @@ class LLMEngine:
         if wanted and not self.async_scheduling:
             logger.info("async scheduling off: attention backend %s plans on the host per step", attn_name)
         self.cuda_graph_capture_s = None
-        if config.pipeline_parallel_size > 1 and self.device.type == "cuda" and not config.enforce_eager:
-            logger.info("CUDA graphs off: pipeline stages exchange hidden states outside graphs (docs/distributed.md)")
-        elif (self.device.type == "cuda" and not config.enforce_eager
+        if (self.device.type == "cuda" and not config.enforce_eager
                 and attn_cls.capabilities.supports_cuda_graphs):
             graph_qs = attn_cls.capabilities.cuda_graph_query_lens
             spec_q = tuple(q for q in ((1 + self.spec.k,) if self.spec is not None else ())

@@ -21,6 +21,7 @@ import torch
 
 from kvforge.attention import AttentionBackend, AttentionMetadata, BatchLayout
 from kvforge.rank.model_build import RankModel, hidden_states
+from kvforge.rank.parallel_state import WHOLE, PPStage
 
 if TYPE_CHECKING:
     from kvforge.scheduler import SchedulerOutput
@@ -67,14 +68,25 @@ class CUDAGraphRunner:
 
     def __init__(self, model: RankModel, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
                  max_num_seqs: int, max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,),
-                 verify_head: bool = False, before_capture: Callable[[int], None] | None = None):
+                 verify_head: bool = False, before_capture: Callable[[int], None] | None = None,
+                 stage: PPStage = WHOLE, hidden_size: int = 0, dtype: torch.dtype = torch.bfloat16):
         """``verify_head``: verification graphs (q > 1, at most ``MAX_VERIFY_HEAD_TOKENS`` tokens) also
         compute the logits and verify the drafts greedily (:meth:`head`). ``before_capture(rows)``:
-        called before each graph of ``rows`` rows is warmed up and captured (LoRA sizes its kernels)."""
+        called before each graph of ``rows`` rows is warmed up and captured (LoRA sizes its kernels).
+
+        A pipeline ``stage`` captures its own layers only: a stage after the first reads the previous
+        stage's (hidden, residual) from static buffers (:meth:`stage_inputs`, ``hidden_size`` wide, of
+        ``dtype``), and one before the last leaves its own (hidden, residual) as the graph's output. The
+        hand-over between stages (``stage_forward.stage_replay``) stays outside the graphs."""
         self.before_capture = before_capture
         self.model, self.attn, self.kv_caches = model, attn, kv_caches
-        self.verify_head = verify_head
+        self.stage = stage
+        self.verify_head = verify_head and stage.is_last
         self.device = device
+        # NOTE: torch.cuda.graph's default capture stream is one per process, made on the device current
+        # at its first use: a second engine on another GPU (a pipeline's driver is on cuda:1) would
+        # capture on it, and Triton then refuses this device's pointers
+        self.stream = torch.cuda.Stream(device=device)
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = sorted(set(query_lens) | {1})
         # sizes per query length: every size for decode, verification only up to MAX_SPEC_GRAPH_TOKENS
@@ -84,7 +96,12 @@ class CUDAGraphRunner:
         top = max(s * q for q, sizes in self.sizes_for.items() for s in sizes)
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, AttentionMetadata, torch.Tensor]] = {}
+        self.inter = None if stage.is_first else (torch.zeros(top, hidden_size, dtype=dtype, device=device),
+                                                  torch.zeros(top, hidden_size, dtype=dtype, device=device))
+        # (size, q) -> the graph, its metadata, and its output: hidden states (the last stage), else
+        # (hidden, residual)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, AttentionMetadata,
+                                                 torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {}
         self.heads: dict[tuple[int, int], torch.Tensor] = {}  # (size, q) -> [size, q + 1] greedy verification
         self.replays: dict[tuple[int, int], int] = {}  # (size, q) -> replays so far
         self.pool = None
@@ -101,23 +118,35 @@ class CUDAGraphRunner:
             if self.before_capture is not None:
                 self.before_capture(n * q)
             for _ in range(2):  # warm up: autotuning, lazy allocations
-                hidden = hidden_states(self.model(ids, pos, self.kv_caches, meta))
+                out = self._forward(ids, pos, meta, n * q)
                 if with_head:
-                    greedy_verify_head(self.model, hidden, ids, n, q)
+                    greedy_verify_head(self.model, hidden_states(out), ids, n, q)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = hidden_states(self.model(ids, pos, self.kv_caches, meta))
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                out = self._forward(ids, pos, meta, n * q)
                 if with_head:
-                    self.heads[(n, q)] = greedy_verify_head(self.model, hidden, ids, n, q)
+                    self.heads[(n, q)] = greedy_verify_head(self.model, hidden_states(out), ids, n, q)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[(n, q)] = (graph, meta, hidden)
+            self.graphs[(n, q)] = (graph, meta, out)
         torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (batch sizes %d..%d, query lengths %s) in %.1f s", len(self.graphs),
                     self.sizes[0], self.sizes[-1], self.query_lens, elapsed)
         return elapsed
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                 rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.stage.size == 1:
+            return hidden_states(self.model(ids, pos, self.kv_caches, meta))
+        out = self.model(ids, pos, self.kv_caches, meta, intermediate=self.stage_inputs(rows))
+        return hidden_states(out) if self.stage.is_last else out
+
+    def stage_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The static (hidden, residual) a stage after the first reads its first ``rows`` rows from
+        (None on the first stage)."""
+        return None if self.inter is None else (self.inter[0][:rows], self.inter[1][:rows])
 
     def padded_size(self, out: SchedulerOutput) -> tuple[int, int] | None:
         """The captured (size, q) to replay for a scheduled step, or None: not uniform (every sequence
@@ -139,9 +168,10 @@ class CUDAGraphRunner:
         row b is sequence b's emitted tokens (NO_TOKEN past them), then how many it emitted."""
         return self.heads.get(key)
 
-    def replay(self, layout: BatchLayout) -> torch.Tensor:
+    def replay(self, layout: BatchLayout) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of ``layout`` (already padded to a captured size, its inputs already in
-        ``input_ids`` / ``positions``); returns hidden states [size * q, hidden] (a view)."""
+        ``input_ids`` / ``positions``, and a later stage's in :meth:`stage_inputs`); returns hidden
+        states [size * q, hidden] (a view), or a stage before the last's (hidden, residual)."""
         key = (layout.num_seqs, layout.num_tokens // layout.num_seqs)
         graph, meta, hidden = self.graphs[key]
         self.attn.update_graph_metadata(meta, layout)

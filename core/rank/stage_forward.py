@@ -8,12 +8,17 @@ flight's sampled tokens, which only the driver has on its device: it broadcasts 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvforge.attention import AttentionMetadata
+from kvforge.attention import AttentionMetadata, BatchLayout
 from kvforge.rank.input_buffers import HostInputs
 from kvforge.rank.model_build import RankModel, hidden_states
 from kvforge.rank.parallel_state import RankGroups
+
+if TYPE_CHECKING:
+    from kvforge.rank.cuda_graphs import CUDAGraphRunner
 
 
 def stage_forward(model: RankModel, groups: RankGroups, ids: torch.Tensor, pos: torch.Tensor,
@@ -33,6 +38,27 @@ def stage_forward(model: RankModel, groups: RankGroups, ids: torch.Tensor, pos: 
         return hidden_states(out)
     for t in out:
         world.send([t.contiguous()], rank + tp, 0).wait()
+    return None
+
+
+def stage_replay(graphs: CUDAGraphRunner, groups: RankGroups, layout: BatchLayout, num_tokens: int) -> torch.Tensor | None:
+    """One pipeline stage's part of a graph step: receive the previous stage's (hidden, residual) into the
+    graph's static inputs, replay the stage's graph, send its (hidden, residual) on. Every row of the
+    padded batch travels (both stages pad alike). Returns the last stage's first ``num_tokens`` hidden
+    states, None on the other stages."""
+    tp, world, rank, stage = groups.tp.size, groups.world.group, groups.rank, groups.stage
+    rows = layout.num_tokens
+    inputs = graphs.stage_inputs(rows)
+    if inputs is not None:
+        for t in inputs:
+            world.recv([t], rank - tp, 0).wait()
+    out = graphs.replay(layout)
+    if stage.is_last:
+        return hidden_states(out)[:num_tokens]
+    if not isinstance(out, tuple):
+        raise RuntimeError("a pipeline stage before the last captured no (hidden, residual)")
+    for t in out:
+        world.send([t[:rows].contiguous()], rank + tp, 0).wait()
     return None
 
 

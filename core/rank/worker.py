@@ -31,7 +31,7 @@ from kvforge.rank.model_build import RankModel, build_model, hidden_states, quan
 from kvforge.rank.parallel_state import init_world
 from kvforge.rank.profiler import RankProfiler
 from kvforge.rank.prompt_logits import prompt_logits, prompt_logprobs_rows
-from kvforge.rank.stage_forward import driver_tokens, fill_placeholders, stage_forward
+from kvforge.rank.stage_forward import driver_tokens, fill_placeholders, stage_forward, stage_replay
 from kvforge.rank.step_input import ForwardOutput, StepInput
 from kvforge.rank.swap import CPUSwapSpace
 from kvforge.rank.worker_spec import WorkerSpec
@@ -197,7 +197,8 @@ class Worker:
         self.graphs = CUDAGraphRunner(_held(self.model, self.rank, RELEASED), self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, device=self.device, query_lens=query_lens,
                                       verify_head=True,
-                                      before_capture=self.lora.capture_batch if self.lora is not None else None)
+                                      before_capture=self.lora.capture_batch if self.lora is not None else None,
+                                      stage=self.stage, hidden_size=self.hidden_size, dtype=self.dtype)
         return self.graphs.capture()
 
     def initialize_swap_space(self, swap_space_gib: float) -> int:
@@ -298,7 +299,9 @@ class Worker:
         if graphs is not None and step.graph_key is not None:  # a uniform step (decode, or k drafts each)
             if embeds is not None:  # (the runner never asks: a graph embeds its input ids itself)
                 raise RuntimeError("a step with image placeholders cannot replay a CUDA graph")
-            return graphs.replay(layout)[:step.num_tokens], graphs.head(step.graph_key)
+            if self.stage.size > 1:
+                return stage_replay(graphs, self.groups, layout, step.num_tokens), None
+            return hidden_states(graphs.replay(layout))[:step.num_tokens], graphs.head(step.graph_key)
         meta = self.attn.build_metadata(layout)
         if embeds is not None:
             if self.stage.size != 1:
