@@ -56,6 +56,7 @@ class Worker:
         #: False once :meth:`close` could not leave the process groups in time (a collective stuck on a
         #: rank that is gone: the device's queued work never ends)
         self.left_groups = True
+        self.closed = False  # close() ran
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self.memory_baseline = MemoryBaseline.take(self.device)
@@ -109,7 +110,11 @@ class Worker:
         """Leave the process groups (their connections close; peers still in a collective get an error),
         within ``parallel_state.LEAVE_TIMEOUT_S``. The CUDA graphs go first (the worker cannot replay them
         afterwards anyway): NCCL's abort blocks while a graph that captured one of its collectives lives,
-        which hung a tensor-parallel engine's shutdown on the GPUs."""
+        which hung a tensor-parallel engine's shutdown on the GPUs. Idempotent: :meth:`release` calls it
+        again after the executor's shutdown, and an abort stuck on a dead peer must cost its bound once."""
+        if self.closed:
+            return
+        self.closed = True
         if self.graphs is not None and self.groups.world.size > 1:
             self.graphs = None
             if self.device.type == "cuda":
