@@ -194,7 +194,7 @@ class DraftModelDrafter(Drafter):
             g.input_ids[:num_tokens].copy_(ids)
         else:
             g.input_ids[:num_tokens].copy_(pinned["input_ids"][:num_tokens], non_blocking=True)
-        return g.replay(layout)[:num_tokens]
+        return hidden_states(g.replay(layout))[:num_tokens]
 
     def _model(self) -> RankModel:
         if self.model is None:
