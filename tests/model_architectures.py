@@ -109,3 +109,46 @@ def build_llava(path: str, seed: int = 0, tokenizer: Any = None, **text_fields: 
     model.save_pretrained(path, safe_serialization=True)
     transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(path)
     return model
+
+
+#: the tiny Qwen2-VL's image pad token (its vision start and end tokens are the next two ids)
+QWEN2VL_IMAGE_TOKEN = 100
+
+
+def build_qwen2_vl(path: str, seed: int = 0, version: str = "2", **text_fields: Any) -> torch.nn.Module:
+    """A tiny random Qwen2-VL (a 2-layer ViT of width 32 over 14x14 patches, 2x2 merger, a Qwen2 decoder
+    of ``_BASE``'s shape with M-RoPE), every weight perturbed, saved with an image processor of at most
+    16 merged rows an image to ``path``; returns it in float32. ``version`` "2.5": Qwen2.5-VL (RMSNorms, gated
+    MLPs, windows of 2 x 2 merged rows with block 1 of 3 seeing whole images). ``text_fields``: the decoder's
+    config fields over ``_BASE``'s."""
+    text = dict(_BASE, **text_fields)
+    half = text["head_dim"] // 2
+    section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    text.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # (Qwen2-VL's defaults: 151643...)
+    vision = dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], num_heads=4, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    if version == "2.5":
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=text["hidden_size"], intermediate_size=48, num_heads=4,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=56,
+                      fullatt_block_indexes=[1], hidden_act="silu")
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=QWEN2VL_IMAGE_TOKEN,
+                                        video_token_id=QWEN2VL_IMAGE_TOKEN + 3,
+                                        vision_start_token_id=QWEN2VL_IMAGE_TOKEN + 1,
+                                        vision_end_token_id=QWEN2VL_IMAGE_TOKEN + 2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:  # (transformers before the PIL processors, e.g. 5.17 on the GPU machine)
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+    ImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 16).save_pretrained(path)
+    return model

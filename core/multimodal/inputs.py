@@ -8,12 +8,9 @@ loop; the engine schedules and caches by them; the worker merges their embedding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvforge.multimodal.media import DEFAULT_MEDIA, MediaLimits, load_image
-
-if TYPE_CHECKING:
-    import torch
 
 #: the modalities kvforge knows (a model declares the ones it takes: ModelCapabilities.modalities)
 MODALITIES = ("image",)
@@ -29,13 +26,20 @@ class MultiModalFeature:
     length: how many placeholder positions it takes: the rows of its embedding.
     content_hash: of its decoded content and the processor's settings (``media.image_hash``): the key of
         the encoder cache and, for blocks that hold its positions, part of the prefix-cache key.
+    rope_positions: for a model with multimodal RoPE (Qwen2-VL's M-RoPE), each row's (temporal, height,
+        width) position relative to the item's first position, ``[3, length]`` int64; None: its rows take
+        ordinary positions (``kvforge.multimodal.mrope``).
+    rope_extent: with ``rope_positions``, how far the item advances the position of what follows it
+        (Qwen2-VL: the larger side of its merged grid, not its ``length``).
     """
 
     modality: str
-    data: dict[str, torch.Tensor]
+    data: dict[str, Any]
     offset: int
     length: int
     content_hash: int
+    rope_positions: Any = None
+    rope_extent: int = 0
 
     @property
     def end(self) -> int:

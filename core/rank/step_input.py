@@ -17,6 +17,7 @@ import torch
 
 from kvforge.kv_cache import KVCacheManager
 from kvforge.multimodal.encoder_cache import EncoderCachePlan
+from kvforge.multimodal.mrope import rope_offsets, rope_positions, uses_rope_positions
 from kvforge.rank.input_buffers import HostInputs
 from kvforge.scheduler import SchedulerOutput
 
@@ -55,6 +56,10 @@ class StepInput:
     mm_encode: list | None = None
     mm_free: list[int] | None = None
     mm_places: np.ndarray | None = None
+    #: multimodal RoPE (kvforge.multimodal.mrope): what each token adds to its position in a step without
+    #: image rows, or the [3, num_tokens] positions of a step with some; None without such a request
+    rope_offsets: np.ndarray | None = None
+    mrope_positions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +134,8 @@ class StepInputBuilder:
             work = self.encoder.step(reqs, starts, q_lens)
             if work is not None:
                 step.mm_encode, step.mm_free, step.mm_places = work.encode, work.free, work.places
+            if any(r.mm_features and uses_rope_positions(r.mm_features) for r in reqs):
+                self._rope_positions(step, reqs, starts, q_lens, total)
         if self.lora and any(r.lora_request is not None for r in reqs):
             step.lora_ids = np.fromiter((r.lora_int_id for r in reqs), dtype=np.int64, count=n)
         ids = step.input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=total)
@@ -139,6 +146,26 @@ class StepInputBuilder:
         self._sample_rows(step, plan, reqs, starts + q_lens, ends, drafts, total)
         self._prompt_rows(step, plan, reqs, ends - q_lens, nst)
         return step, plan
+
+    @staticmethod
+    def _rope_positions(step: StepInput, reqs: list, starts: np.ndarray, q_lens: np.ndarray, total: int) -> None:
+        """M-RoPE: the [3, T] positions of a step that reaches image rows (it runs eagerly), else the
+        offsets the text of requests after their images adds to its positions (decode graphs stay 1-D)."""
+        rows = np.concatenate([[0], np.cumsum(q_lens)])
+        if step.mm_places is not None:
+            pos = np.empty((3, total), dtype=np.int64)
+            for i, (r, s, q) in enumerate(zip(reqs, starts, q_lens)):
+                s, q = int(s), int(q)
+                pos[:, rows[i]:rows[i + 1]] = (rope_positions(r.mm_features, s, q) if r.mm_features
+                                               else np.arange(s, s + q, dtype=np.int64))
+            step.mrope_positions = pos
+            return
+        offsets = np.zeros(total, dtype=np.int64)
+        for i, (r, s, q) in enumerate(zip(reqs, starts, q_lens)):
+            if r.mm_features:
+                offsets[rows[i]:rows[i + 1]] = rope_offsets(r.mm_features, int(s), int(q))
+        if offsets.any():
+            step.rope_offsets = offsets
 
     def forget(self, request_ids: set[str]) -> StepInput:
         """A step with no batch that makes every worker forget ``request_ids`` (ended requests)."""

@@ -244,10 +244,14 @@ class Worker:
         graphs = _held(self.graphs, self.rank, "a graph step, but no graphs") if step.graph_key is not None else None
         self.attn.copy_blocks(self.kv_caches, step.blocks_to_copy)
         buf, layout = self._lay_out_step(step, graphs)
+        if step.rope_offsets is not None:  # M-RoPE: text after images rotates behind its 1-D position
+            buf.np["positions"][:step.num_tokens] += step.rope_offsets
         num_rows = layout.num_tokens  # with graph padding
         if self.lora is not None:
             self.lora.prepare(step.lora_ids, step.query_lens, num_rows, graph=graphs is not None)
         ids_dev, pos_dev = self._device_inputs(step, buf, num_rows, graphs, prev_tokens)
+        if step.mrope_positions is not None:  # a step with image rows (eager): [3, T] M-RoPE positions
+            pos_dev = torch.from_numpy(step.mrope_positions).to(self.device)
         embeds = self._merged_embeddings(model, step, ids_dev) if step.mm_places is not None else None
         hidden, head = self._forward(model, step, layout, graphs, ids_dev, pos_dev, embeds)
         if hidden is None:  # not the last stage: its part is done

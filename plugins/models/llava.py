@@ -24,7 +24,7 @@ from kvforge.multimodal.media import image_hash
 from kvforge.plugins.models.llama import LlamaForCausalLM
 
 _ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 def _act(name: str):
