@@ -82,6 +82,17 @@ LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def _saved_perturbed(model_cls: Any, config: Any, path: str, seed: int) -> torch.nn.Module:
+    """``model_cls(config)`` in float32 with every weight perturbed (seeded), saved to ``path``."""
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def build_llava(path: str, seed: int = 0, tokenizer: Any = None, **text_fields: Any) -> torch.nn.Module:
     """A tiny random LLaVA-1.5 (CLIP tower of 3 layers on 28x28 images in 14x14 patches, MLP projector,
     a Llama decoder of ``_BASE``'s shape), every weight perturbed, saved with its image processor to
@@ -101,12 +112,7 @@ def build_llava(path: str, seed: int = 0, tokenizer: Any = None, **text_fields: 
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
                                       vision_feature_layer=-2, vision_feature_select_strategy="default",
                                       projector_hidden_act="gelu")
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path, safe_serialization=True)
+    model = _saved_perturbed(transformers.LlavaForConditionalGeneration, config, path, seed)
     transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(path)
     return model
 
@@ -138,12 +144,7 @@ def build_qwen2_vl(path: str, seed: int = 0, version: str = "2", **text_fields: 
                                         video_token_id=QWEN2VL_IMAGE_TOKEN + 3,
                                         vision_start_token_id=QWEN2VL_IMAGE_TOKEN + 1,
                                         vision_end_token_id=QWEN2VL_IMAGE_TOKEN + 2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path, safe_serialization=True)
+    model = _saved_perturbed(model_cls, config, path, seed)
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil as ImageProcessor,
@@ -151,4 +152,30 @@ def build_qwen2_vl(path: str, seed: int = 0, version: str = "2", **text_fields: 
     except ImportError:  # (transformers before the PIL processors, e.g. 5.17 on the GPU machine)
         from transformers import Qwen2VLImageProcessor as ImageProcessor
     ImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 16).save_pretrained(path)
+    return model
+
+
+#: the tiny LLaVA-NeXT's resolutions (tiles of 28 pixels: up to 3 x 3 tiles, 6 x 6 rows of features)
+LLAVA_NEXT_PINPOINTS = [[28, 84], [84, 28], [56, 56], [84, 84]]
+
+
+def build_llava_next(path: str, seed: int = 0, **text_fields: Any) -> torch.nn.Module:
+    """A tiny random LLaVA-NeXT: :func:`build_llava`'s CLIP tower and decoder, tiles by
+    :data:`LLAVA_NEXT_PINPOINTS`, every weight perturbed (the newline row too), saved with its image processor
+    to ``path``; returns it in float32. Image token :data:`LLAVA_IMAGE_TOKEN`."""
+    text = transformers.LlamaConfig(**dict(_BASE, **text_fields))
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=28, patch_size=14, projection_dim=32)
+    config = transformers.LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN,
+                                          vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                          projector_hidden_act="gelu", image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    model = _saved_perturbed(transformers.LlavaNextForConditionalGeneration, config, path, seed)
+    try:
+        from transformers.models.llava_next.image_processing_pil_llava_next import (
+            LlavaNextImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:  # (transformers before the PIL processors)
+        from transformers import LlavaNextImageProcessor as ImageProcessor
+    ImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(path)
     return model

@@ -136,6 +136,7 @@ CHECKED = [
     "plugins/models/gpt_oss.py",
     "plugins/models/llama.py",
     "plugins/models/llava.py",
+    "plugins/models/llava_next.py",
     "plugins/models/qwen2_vl.py",
     "plugins/models/mixtral.py",
     "plugins/models/phi3.py",

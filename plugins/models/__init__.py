@@ -15,6 +15,7 @@ MODELS = {
     "Qwen2MoeForCausalLM": "kvforge.plugins.models.mixtral:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "kvforge.plugins.models.mixtral:Qwen2MoeForCausalLM",
     "LlavaForConditionalGeneration": "kvforge.plugins.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "kvforge.plugins.models.llava_next:LlavaNextForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "kvforge.plugins.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "kvforge.plugins.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }
