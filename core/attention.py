@@ -50,13 +50,15 @@ class AttentionCapabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     attention_sinks: bool = False
+    # a step's spans of tokens that see each other both ways (``BatchLayout.lookahead``: Gemma 3's images)
+    bidirectional_spans: bool = False
     # where ``auto`` tries it, highest first (ties by name): the built-ins use 10 (torch) to 40 (triton);
     # a third-party backend that sets more is tried before them, one that keeps 0 after them
     auto_priority: int = 0
 
 
 #: the per-layer variants a model can need, by the capability field that grants each
-ATTENTION_FEATURES = ("sliding_window", "logits_soft_cap", "attention_sinks")
+ATTENTION_FEATURES = ("sliding_window", "logits_soft_cap", "attention_sinks", "bidirectional_spans")
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,6 +119,10 @@ class BatchLayout:
     seq_lens: np.ndarray  # [num_seqs] int32, context length after this step (cached + new tokens)
     block_tables: np.ndarray  # [num_seqs, max_blocks_per_seq] int32, physical block ids (padded with 0)
     slot_mapping: np.ndarray  # [num_tokens] int64, flat cache slot (block * block_size + offset) per token
+    #: [num_tokens] int64: how many positions past its own each token also sees (a span that attends both
+    #: ways, Gemma 3's image rows: the span's last position minus its own); None: every token is causal.
+    #: Only a backend with ``capabilities.bidirectional_spans`` gets a step that has one.
+    lookahead: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

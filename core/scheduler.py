@@ -21,6 +21,7 @@ from typing import AbstractSet, Any, Iterable, Iterator, Protocol
 
 from kvforge.errors import RequestFailure
 from kvforge.kv_cache import KVCacheManager
+from kvforge.multimodal.spans import chunk_limit
 from kvforge.request import Request, RequestStatus
 from kvforge.step_result import Failed, Finished, NewTokens, StepResult
 
@@ -361,6 +362,16 @@ class Scheduler(ABC):
             return 0
         left = req.num_tokens - req.num_computed_tokens
         return left + len(req.draft_token_ids) if left == 1 else left
+
+    @staticmethod
+    def fit_chunk(req: Request, num_new: int, start: int | None = None) -> int:
+        """``num_new`` tokens of ``req`` from position ``start`` (its next one by default), cut so that a
+        prompt chunk never ends inside an item whose rows attend both ways (``kvforge.multimodal.spans``:
+        Gemma 3's images); 0 when it must wait for a step with room for the whole item. Every policy
+        applies it to the chunks it schedules."""
+        if not req.mm_features or num_new <= 0:
+            return num_new
+        return chunk_limit(req.mm_features, req.num_computed_tokens if start is None else start, num_new)
 
     @staticmethod
     def record_drafts(out: SchedulerOutput, req: Request, num_new: int) -> None:

@@ -179,3 +179,47 @@ def build_llava_next(path: str, seed: int = 0, **text_fields: Any) -> torch.nn.M
     ImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                    image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(path)
     return model
+
+
+#: the tiny Gemma 3's image token (<start_of_image> and <end_of_image> are the next two ids) and rows an image
+GEMMA3_IMAGE_TOKEN, GEMMA3_IMAGE_ROWS = 100, 4
+
+
+def build_gemma3_vision(path: str, seed: int = 0, **text_fields: Any) -> torch.nn.Module:
+    """A tiny random Gemma 3 with images: a 2-layer SigLIP tower on 56x56 images (4 x 4 patches of 14,
+    pooled to 2 x 2 = :data:`GEMMA3_IMAGE_ROWS` rows), a Gemma 3 decoder of ``_BASE``'s shape with a
+    sliding layer (window 16) then a global one; every weight perturbed, saved with its image processor to
+    ``path``; returns it in float32. ``text_fields``: the decoder's config fields over those."""
+    text = dict(_BASE, sliding_window=16, layer_types=["sliding_attention", "full_attention"], **text_fields)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=56,
+                  patch_size=14, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_ROWS,
+                                       image_token_index=GEMMA3_IMAGE_TOKEN, boi_token_index=GEMMA3_IMAGE_TOKEN + 1,
+                                       eoi_token_index=GEMMA3_IMAGE_TOKEN + 2)
+    model = _saved_perturbed(transformers.Gemma3ForConditionalGeneration, config, path, seed)
+    try:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as ImageProcessor
+    except ImportError:  # (transformers before the PIL processors)
+        from transformers import Gemma3ImageProcessor as ImageProcessor
+    ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(path)
+    return model
+
+
+def hf_greedy_logprobs(hf: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 8,
+                       **inputs: Any) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for ``input_ids`` ([1, T]) and each one's log-probability."""
+    with torch.no_grad():
+        g = hf.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                        return_dict_in_generate=True, **inputs)
+    tokens = g.sequences[0, input_ids.shape[1]:].tolist()
+    return tokens, [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(g.scores, tokens)]
+
+
+def assert_greedy_equal(outs: Any, refs: list[tuple[list[int], list[float]]], tol: float = 1e-4) -> None:
+    """Each ``RequestOutput`` (sampled with ``logprobs=0``) has the reference's tokens, and log-probabilities
+    within ``tol`` of its."""
+    for out, (tokens, logprobs) in zip(outs, refs, strict=True):
+        got = out.outputs[0]
+        assert list(got.token_ids) == tokens
+        diff = max(abs(step[t].logprob - lp) for step, t, lp in zip(got.logprobs, got.token_ids, logprobs))
+        assert diff < tol, diff

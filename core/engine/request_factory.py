@@ -58,6 +58,12 @@ class RequestFactory:
         processor = self.processor()
         limits = {m: 1 for m in processor.modalities} | dict(self.config.limit_mm_per_prompt or {})
         processed = processor.process(ids, parse_multi_modal_data(data, processor.modalities, limits))
+        budget = self.config.max_num_batched_tokens
+        for i, f in enumerate(processed.features):
+            if f.bidirectional and budget is not None and f.length > budget:  # one chunk must take it whole
+                raise ValueError(f"multi_modal_data: {f.modality} {i} takes {f.length} positions, more than "
+                                 f"max_num_batched_tokens ({budget}); its rows attend to each other, so one "
+                                 "step must compute them all")
         return processed.prompt_token_ids, processed.features
 
     def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

@@ -31,6 +31,8 @@ class MultiModalFeature:
         ordinary positions (``kvforge.multimodal.mrope``).
     rope_extent: with ``rope_positions``, how far the item advances the position of what follows it
         (Qwen2-VL: the larger side of its merged grid, not its ``length``).
+    bidirectional: its rows attend to each other both ways (Gemma 3's images): a prompt chunk never ends
+        inside it (``kvforge.multimodal.spans``), and the attention backend gets its span.
     """
 
     modality: str
@@ -40,6 +42,7 @@ class MultiModalFeature:
     content_hash: int
     rope_positions: Any = None
     rope_extent: int = 0
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:

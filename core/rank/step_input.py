@@ -18,6 +18,7 @@ import torch
 from kvforge.kv_cache import KVCacheManager
 from kvforge.multimodal.encoder_cache import EncoderCachePlan
 from kvforge.multimodal.mrope import rope_offsets, rope_positions, uses_rope_positions
+from kvforge.multimodal.spans import chunk_limit, has_bidirectional, lookahead
 from kvforge.rank.input_buffers import HostInputs
 from kvforge.scheduler import SchedulerOutput
 
@@ -60,6 +61,9 @@ class StepInput:
     #: image rows, or the [3, num_tokens] positions of a step with some; None without such a request
     rope_offsets: np.ndarray | None = None
     mrope_positions: np.ndarray | None = None
+    #: items whose rows attend both ways (kvforge.multimodal.spans): each token's lookahead, [num_tokens]
+    #: int64 (BatchLayout.lookahead); None when no token of the step has one
+    lookahead: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -136,6 +140,8 @@ class StepInputBuilder:
                 step.mm_encode, step.mm_free, step.mm_places = work.encode, work.free, work.places
             if any(r.mm_features and uses_rope_positions(r.mm_features) for r in reqs):
                 self._rope_positions(step, reqs, starts, q_lens, total)
+            if step.mm_places is not None and any(r.mm_features and has_bidirectional(r.mm_features) for r in reqs):
+                self._lookahead(step, reqs, starts, q_lens, total)
         if self.lora and any(r.lora_request is not None for r in reqs):
             step.lora_ids = np.fromiter((r.lora_int_id for r in reqs), dtype=np.int64, count=n)
         ids = step.input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=total)
@@ -166,6 +172,23 @@ class StepInputBuilder:
                 offsets[rows[i]:rows[i + 1]] = rope_offsets(r.mm_features, int(s), int(q))
         if offsets.any():
             step.rope_offsets = offsets
+
+    @staticmethod
+    def _lookahead(step: StepInput, reqs: list, starts: np.ndarray, q_lens: np.ndarray, total: int) -> None:
+        """Each token's lookahead into its bidirectional item; a chunk that ends inside one is a scheduling
+        policy's bug (it must apply ``Scheduler.fit_chunk``): its later rows would be missing."""
+        out = np.zeros(total, dtype=np.int64)
+        row = 0
+        for r, s, q in zip(reqs, starts, q_lens):
+            s, q = int(s), int(q)
+            if r.mm_features:
+                if chunk_limit(r.mm_features, s, q) != q:
+                    raise RuntimeError(f"request {r.request_id}: its chunk {s}..{s + q} ends inside an item whose "
+                                       "rows attend both ways (the scheduling policy must apply Scheduler.fit_chunk)")
+                out[row:row + q] = lookahead(r.mm_features, s, q)
+            row += q
+        if out.any():
+            step.lookahead = out
 
     def forget(self, request_ids: set[str]) -> StepInput:
         """A step with no batch that makes every worker forget ``request_ids`` (ended requests)."""

@@ -246,6 +246,8 @@ class Worker:
         buf, layout = self._lay_out_step(step, graphs)
         if step.rope_offsets is not None:  # M-RoPE: text after images rotates behind its 1-D position
             buf.np["positions"][:step.num_tokens] += step.rope_offsets
+        if step.lookahead is not None:  # image rows that see each other both ways (an eager step)
+            layout.lookahead = step.lookahead
         num_rows = layout.num_tokens  # with graph padding
         if self.lora is not None:
             self.lora.prepare(step.lora_ids, step.query_lens, num_rows, graph=graphs is not None)

@@ -51,6 +51,7 @@ class PrefillChunk(NamedTuple):
 class TorchMetadata(AttentionMetadata):
     decode: DecodeRows | None = None
     prefill: list[PrefillChunk] = field(default_factory=list)
+    lookahead: torch.Tensor | None = None  # [num_tokens] int64 (BatchLayout.lookahead), or None: all causal
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -63,6 +64,7 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window=True,
         logits_soft_cap=True,
         attention_sinks=True,
+        bidirectional_spans=True,
         auto_priority=10,
     )
 
@@ -82,6 +84,8 @@ class TorchAttentionBackend(AttentionBackend):
                 torch.from_numpy(layout.seq_lens[decode].astype(np.int64)).to(dev),
                 dec_max_blocks * bs,
             )
+        if layout.lookahead is not None:
+            meta.lookahead = torch.from_numpy(layout.lookahead).to(self.device)
         meta.prefill = [
             PrefillChunk(int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1]), int(layout.seq_lens[i]),
                          meta.block_tables[i, : -(-int(layout.seq_lens[i]) // bs)])
@@ -135,14 +139,15 @@ class TorchAttentionBackend(AttentionBackend):
             keys = pages(k_cache, blocks, 0).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)  # [kv_heads, ctx, d]
             vals = pages(v_cache, blocks, 1).reshape(-1, hkv, d)[:ctx_len].transpose(0, 1)
             qp = q[start:end].transpose(0, 1)  # [heads, q_len, d]
-            if ctx_len == q_len and layer.features == frozenset():
+            look = None if meta.lookahead is None else meta.lookahead[start:end, None]
+            if ctx_len == q_len and layer.features == frozenset() and look is None:
                 o = F.scaled_dot_product_attention(qp, keys, vals, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 # query i sits at absolute position ctx_len - q_len + i and sees keys 0..that position
-                # (within its window: the last sliding_window of them)
+                # (within its window: the last sliding_window of them), and its span's later keys
                 qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
                 key_pos = torch.arange(ctx_len, device=q.device)[None, :]
-                mask = key_pos <= qpos
+                mask = key_pos <= (qpos if look is None else qpos + look)
                 if layer.sliding_window is not None:
                     mask &= key_pos > qpos - layer.sliding_window
                 o = self._attend(qp, keys, vals, mask, layer, gqa)

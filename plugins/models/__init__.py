@@ -9,6 +9,7 @@ _LLAMA = "kvforge.plugins.models.llama:LlamaForCausalLM"
 MODELS = {
     "Gemma2ForCausalLM": "kvforge.plugins.models.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "kvforge.plugins.models.gemma:GemmaForCausalLM",
+    "Gemma3ForConditionalGeneration": "kvforge.plugins.models.gemma3_mm:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "kvforge.plugins.models.phi3:Phi3ForCausalLM",
     "GptOssForCausalLM": "kvforge.plugins.models.gpt_oss:GptOssForCausalLM",
     "MixtralForCausalLM": "kvforge.plugins.models.mixtral:MixtralForCausalLM",

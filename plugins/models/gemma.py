@@ -250,8 +250,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
                                         "post_ffw_norm": "post_feedforward_layernorm"},
             norm_shift=1.0, end_of_turn="<end_of_turn>")},
         presets=GEMMA_PRESETS,
-        refused_model_types={"gemma3": "Gemma3ForConditionalGeneration (text and vision); kvforge serves the "
-                                       "text-only 'gemma3_text' checkpoints (Gemma 3 270M, 1B)"},
     )
     capabilities = ModelCapabilities(sliding_window=True, notes="interleaved sliding/global layers, soft-capping")
 

@@ -38,7 +38,7 @@ class FCFSScheduler(Scheduler):
         n = min(self.tokens_wanted(req), budget)
         if self.long_prefill_token_threshold and req.num_tokens - req.num_computed_tokens > 1:
             n = min(n, self.long_prefill_token_threshold)
-        return n
+        return self.fit_chunk(req, n)
 
     def pick_victim(self) -> Request:
         """The running request to preempt when blocks run out: the newest."""
@@ -97,7 +97,8 @@ class FCFSScheduler(Scheduler):
                 num_new = min(req.num_tokens - num_cached - req.num_computed_tokens, budget)
                 if self.long_prefill_token_threshold:
                     num_new = min(num_new, self.long_prefill_token_threshold)
-                if not kv.allocate_slots(req, num_new, computed):
+                num_new = self.fit_chunk(req, num_new, req.num_computed_tokens + num_cached)
+                if num_new <= 0 or not kv.allocate_slots(req, num_new, computed):
                     break
                 self.waiting.popleft()
                 if req.status == RequestStatus.WAITING:

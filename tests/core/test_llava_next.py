@@ -12,7 +12,7 @@ import torch
 
 from kvforge import LLM, SamplingParams
 from kvforge.plugins.models.llava_next import LlavaNextLayout
-from model_architectures import LLAVA_IMAGE_TOKEN, build_llava_next
+from model_architectures import LLAVA_IMAGE_TOKEN, assert_greedy_equal, build_llava_next, hf_greedy_logprobs
 
 PIL = pytest.importorskip("PIL.Image")
 IMG = LLAVA_IMAGE_TOKEN
@@ -35,18 +35,15 @@ def llava_next(tmp_path_factory):
 
 
 def reference(hf, path: str, expanded: list[int], imgs: list) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their log-probabilities for the expanded prompt."""
+    """transformers' greedy tokens and their log-probabilities for the expanded prompt (it refuses a prompt
+    whose placeholders are not the images' rows)."""
     from transformers import AutoImageProcessor
 
-    x = torch.tensor([expanded])
     kw = {}
     if imgs:
         out = AutoImageProcessor.from_pretrained(path)(images=imgs, return_tensors="pt")
         kw = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}
-    with torch.no_grad():  # (transformers refuses a prompt whose placeholders are not the images' rows)
-        g = hf.generate(x, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True, **kw)
-    tokens = g.sequences[0, x.shape[1]:].tolist()
-    return tokens, [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(g.scores, tokens)]
+    return hf_greedy_logprobs(hf, torch.tensor([expanded]), **kw)
 
 
 @pytest.mark.parametrize("budget", [512, 5], ids=["whole-prompts", "chunks-split-images"])
@@ -63,10 +60,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_tiled_images(llava_n
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    for out, (tokens, logprobs) in zip(outs, refs):
-        got = out.outputs[0]
-        assert list(got.token_ids) == tokens
-        assert max(abs(step[t].logprob - lp) for step, t, lp in zip(got.logprobs, got.token_ids, logprobs)) < 1e-4
+    assert_greedy_equal(outs, refs)
 
 
 def test_an_images_rows_equal_transformers_processor_count_for_300_sizes():

@@ -36,6 +36,8 @@ class FooForCausalLM(LlamaForCausalLM):
     config_class = FooConfig
     family = ModelFamily(
         model_types={"foo": "FooForCausalLM"},
+        refused_model_types={"foo_vision": "FooVisionForConditionalGeneration (text and images); kvforge serves the "
+                                           "text-only 'foo' checkpoints"},
         gguf_architectures={"foo": GGUFArchitecture("foo", block_names={"ffn_norm": "pre_mlp_norm"})},
         presets={"foo-tiny": FooConfig(architecture="FooForCausalLM", model_type="foo", head_dim=8, foo_scale=0.5,
                                        **_SHAPE)})
@@ -111,10 +113,10 @@ def test_unknown_gguf_architecture_lists_the_families_ones(tmp_path):
         ModelConfig.from_gguf(path)
 
 
-def test_a_family_refuses_a_model_type_with_its_reason():
-    with pytest.raises(ValueError, match="'model_type' is 'gemma3': .*'gemma3_text' checkpoints"):
-        ModelConfig.from_hf_dict({**_SHAPE, "model_type": "gemma3",
-                                  "architectures": ["Gemma3ForConditionalGeneration"]})
+def test_a_family_refuses_a_model_type_with_its_reason(foo_registered):
+    with pytest.raises(ValueError, match="'model_type' is 'foo_vision': .*'foo' checkpoints"):
+        ModelConfig.from_hf_dict({**_SHAPE, "model_type": "foo_vision",
+                                  "architectures": ["FooVisionForConditionalGeneration"]})
 
 
 def test_a_subclass_registered_under_another_name_inherits_no_family_data(foo_registered):

@@ -12,7 +12,7 @@ import torch
 from kvforge import LLM, SamplingParams
 from kvforge.multimodal.mrope import rope_offsets, rope_positions
 from kvforge.rank.worker import Worker
-from model_architectures import QWEN2VL_IMAGE_TOKEN, build_qwen2_vl
+from model_architectures import QWEN2VL_IMAGE_TOKEN, assert_greedy_equal, build_qwen2_vl, hf_greedy_logprobs
 
 PIL = pytest.importorskip("PIL.Image")
 IMG, START, END = QWEN2VL_IMAGE_TOKEN, QWEN2VL_IMAGE_TOKEN + 1, QWEN2VL_IMAGE_TOKEN + 2
@@ -53,10 +53,7 @@ def hf_inputs(path: str, ids: list[int], imgs: list) -> tuple[torch.Tensor, dict
 def reference(hf, path: str, ids: list[int], imgs: list) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and each one's log-probability."""
     x, kw = hf_inputs(path, ids, imgs)
-    with torch.no_grad():
-        g = hf.generate(x, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True, **kw)
-    tokens = g.sequences[0, x.shape[1]:].tolist()
-    return tokens, [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(g.scores, tokens)]
+    return hf_greedy_logprobs(hf, x, **kw)
 
 
 def prompt(ids, imgs):
@@ -70,11 +67,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_mrope(qwen2_vl, budg
     llm = LLM(path, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=budget,
               limit_mm_per_prompt={"image": 2})
     outs = llm.generate([prompt(ids, imgs) for ids, imgs in CASES], GREEDY, use_tqdm=False)
-    for out, (tokens, logprobs) in zip(outs, refs):
-        got = out.outputs[0]
-        assert list(got.token_ids) == tokens
-        diff = max(abs(step[t].logprob - lp) for step, t, lp in zip(got.logprobs, got.token_ids, logprobs))
-        assert diff < LOGPROB_TOL, diff
+    assert_greedy_equal(outs, refs, LOGPROB_TOL)
     llm.shutdown()
 
 
@@ -129,7 +122,4 @@ def test_tensor_parallel_ranks_give_transformers_tokens_with_windows_and_mrope(t
         outs = llm.generate([prompt(ids, imgs) for ids, imgs in CASES[:2]], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    for out, (tokens, logprobs) in zip(outs, refs):
-        got = out.outputs[0]
-        assert list(got.token_ids) == tokens
-        assert max(abs(step[t].logprob - lp) for step, t, lp in zip(got.logprobs, got.token_ids, logprobs)) < LOGPROB_TOL
+    assert_greedy_equal(outs, refs, LOGPROB_TOL)
