@@ -61,6 +61,7 @@ CHECKED = [
     "multimodal/inputs.py",
     "multimodal/media.py",
     "multimodal/mrope.py",
+    "multimodal/profile.py",
     "multimodal/spans.py",
     "rank/memory_budget.py",
     "engine/output_processor.py",

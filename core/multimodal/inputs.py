@@ -65,6 +65,11 @@ class MultiModalProcessor(Protocol):
     checkpoint's chat template writes it) and the decoded items by modality, in prompt order; it returns
     the expanded ids and one feature per item. A mismatch (more items than placeholders) is a
     ``ValueError`` naming ``multi_modal_data``.
+
+    Optional: ``profile_prompt() -> (prompt_token_ids, item)``, a prompt of one placeholder and the item
+    that costs the encoder most (an image of the largest size the processor makes); the KV sizing encodes
+    as many of them as one step can reach (``kvforge.multimodal.profile``). Without it the sizing counts
+    no encoder work.
     """
 
     modalities: tuple[str, ...]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -83,11 +83,14 @@ class ProfiledRank:
 
 
 @torch.inference_mode()
-def profile_peak_memory(rank: ProfiledRank, max_num_batched_tokens: int, max_model_len: int, logits_rows: int) -> int:
+def profile_peak_memory(rank: ProfiledRank, max_num_batched_tokens: int, max_model_len: int, logits_rows: int,
+                        encode: Callable[[], Any] | None = None, extra_bytes: int = 0) -> int:
     """Peak bytes the process allocated during one forward of a full token budget (as prefills of
     ``max_model_len`` at most) plus, on the last stage, sampling of ``logits_rows`` rows, the profile's
     own KV cache excluded (other engines' tensors in this process included: ``kvforge.rank.memory_budget``
-    subtracts them)."""
+    subtracts them). ``encode()``: a multimodal model's encoder work of one step, run first and its result
+    held through the forward (``kvforge.multimodal.profile``); ``extra_bytes`` are added (the encoder
+    cache's rows beyond those)."""
     device, bs = rank.device, rank.attn.block_size
     seq_len = min(max_num_batched_tokens, max_model_len)
     num_seqs = -(-max_num_batched_tokens // seq_len)
@@ -98,6 +101,7 @@ def profile_peak_memory(rank: ProfiledRank, max_num_batched_tokens: int, max_mod
     layout = prefill_layout(lens, blocks_per_seq, bs)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
+    encoded = encode() if encode is not None else None  # (held: a step's images stay cached while it runs)
     meta = rank.attn.build_metadata(layout)
     n = layout.num_tokens
     ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -114,7 +118,7 @@ def profile_peak_memory(rank: ProfiledRank, max_num_batched_tokens: int, max_mod
         logprob_tensors(logits, torch.zeros(rows, dtype=torch.long, device=device), 20)
         del logits
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - cache_bytes
-    del caches, out, meta
+    peak = torch.cuda.max_memory_allocated(device) - cache_bytes + extra_bytes
+    del caches, out, meta, encoded
     torch.cuda.empty_cache()
     return peak

@@ -21,6 +21,8 @@ import torch
 
 from kvforge.attention import BatchLayout
 from kvforge.errors import is_device_error
+from kvforge.model.interface import capabilities_of
+from kvforge.multimodal.profile import encoder_cache_bytes, profile_features
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.rank import kv_sizing
 from kvforge.rank.batch_layout import PersistentBatch, lay_out_step
@@ -184,10 +186,27 @@ class Worker:
     def profile_peak_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
         """Peak bytes of one forward of a full token budget plus sampling of a full batch (or one
         prompt-logprobs slice), the profile's KV cache excluded (``kv_sizing.profile_peak_memory``)."""
-        rank = kv_sizing.ProfiledRank(_held(self.model, self.rank, RELEASED), self.attn, self.stage, self.first_layer, self.num_layers,
+        model = _held(self.model, self.rank, RELEASED)
+        rank = kv_sizing.ProfiledRank(model, self.attn, self.stage, self.first_layer, self.num_layers,
                                       self.hidden_size, self.dtype, self.device)
+        encode, extra = None, 0
+        features = self.profile_features(max_num_batched_tokens, max_num_seqs)
+        if features:  # a multimodal model: one step's costliest encoder work, and its encoder cache
+            mm: Any = model
+            encode = lambda: mm.embed_multimodal(features)  # noqa: E731
+            extra = encoder_cache_bytes(features, self.hidden_size, self.dtype.itemsize)
         return kv_sizing.profile_peak_memory(rank, max_num_batched_tokens, max_model_len,
-                                             max(max_num_seqs, self.prompt_logprobs_rows()))
+                                             max(max_num_seqs, self.prompt_logprobs_rows()), encode, extra)
+
+    def profile_features(self, max_num_batched_tokens: int, max_num_seqs: int) -> list:
+        """The items the memory profile encodes (``kvforge.multimodal.profile``); none for a text model."""
+        spec, model = self.spec, _held(self.model, self.rank, RELEASED)
+        if not capabilities_of(type(model)).modalities:
+            return []
+        source = spec.source
+        processor = type(model).processor(spec.model_config, source.path if source.kind == "hf_dir" else None)  # type: ignore[attr-defined]
+        return profile_features(processor, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                limits=spec.config.limit_mm_per_prompt)
 
     def initialize_cache(self, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int,
                          max_model_len: int) -> None:

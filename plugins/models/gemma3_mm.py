@@ -80,7 +80,14 @@ class Gemma3Processor:
         self.image_token = int(hf.get("image_token_index", 262144))
         self.rows = int(hf.get("mm_tokens_per_image", 256))
         self.newline = _double_newline(model_dir)
-        self.image_processor = _image_processor(model_dir, hf["vision_config"]["image_size"])
+        self.size = int(hf["vision_config"]["image_size"])
+        self.image_processor = _image_processor(model_dir, self.size)
+
+    def profile_prompt(self) -> tuple[list[int], Any]:
+        """Every image costs the same (it is resized to the tower's size)."""
+        from PIL import Image
+
+        return [self.boi], Image.new("RGB", (self.size, self.size))
 
     def process(self, prompt_token_ids: list[int], items: Mapping[str, Sequence[Any]]) -> ProcessedPrompt:
         images = list(items.get("image", ()))

@@ -147,7 +147,14 @@ class LlavaProcessor:
         vc = hf["vision_config"]
         self.token_id = int(hf.get("image_token_index", hf.get("image_token_id", 32000)))
         self.length = tower_rows - (hf.get("vision_feature_select_strategy", "default") != "full")
+        self.size = int(vc["image_size"])
         self.image_processor = _image_processor(model_dir, vc["image_size"])
+
+    def profile_prompt(self) -> tuple[list[int], Any]:
+        """Every image costs the same (it is resized to the tower's size)."""
+        from PIL import Image
+
+        return [self.token_id], Image.new("RGB", (self.size, self.size))
 
     def process(self, prompt_token_ids: list[int], items: Mapping[str, Sequence[Any]]) -> ProcessedPrompt:
         images = list(items.get("image", ()))

@@ -82,6 +82,13 @@ class LlavaNextProcessor:
         self.layout = LlavaNextLayout(hf)
         self.image_processor = _image_processor(model_dir, self.layout)
 
+    def profile_prompt(self) -> tuple[list[int], Any]:
+        """An image of the pinpoint with the most tiles (the most tower work and rows)."""
+        from PIL import Image
+
+        h, w = max(self.layout.pinpoints, key=lambda p: (p[0] // self.layout.tile) * (p[1] // self.layout.tile))
+        return [self.token_id], Image.new("RGB", (w, h))
+
     def process(self, prompt_token_ids: list[int], items: Mapping[str, Sequence[Any]]) -> ProcessedPrompt:
         images = list(items.get("image", ()))
         sizes = [(image.height, image.width) for image in images]

@@ -258,6 +258,15 @@ class Qwen2VLProcessor:
         self.merge = int(vc.get("spatial_merge_size", 2))
         self.image_processor = _image_processor(model_dir, vc)
 
+    def profile_prompt(self) -> tuple[list[int], Any]:
+        """A square image of the processor's ``max_pixels`` (the most patches it makes)."""
+        from PIL import Image
+
+        ip = self.image_processor
+        most = getattr(ip, "max_pixels", None) or (getattr(ip, "size", None) or {}).get("longest_edge") or 28 * 28 * 1280
+        side = max(28, int(int(most) ** 0.5) // 28 * 28)
+        return [self.token_id], Image.new("RGB", (side, side))
+
     def process(self, prompt_token_ids: list[int], items: Mapping[str, Sequence[Any]]) -> ProcessedPrompt:
         images = list(items.get("image", ()))
         done = [self.image_processor(images=[image], return_tensors="pt") for image in images]
