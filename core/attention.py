@@ -57,8 +57,11 @@ class AttentionCapabilities:
     auto_priority: int = 0
 
 
-#: the per-layer variants a model can need, by the capability field that grants each
-ATTENTION_FEATURES = ("sliding_window", "logits_soft_cap", "attention_sinks", "bidirectional_spans")
+#: the per-layer variants a model can need (:class:`AttentionLayer`), by the capability field that grants each
+LAYER_FEATURES = ("sliding_window", "logits_soft_cap", "attention_sinks")
+#: every attention feature a model can need: the per-layer variants, and a step's two-way spans
+#: (``BatchLayout.lookahead``)
+ATTENTION_FEATURES = (*LAYER_FEATURES, "bidirectional_spans")
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge.attention import ATTENTION_FEATURES
+from kvforge.attention import ATTENTION_FEATURES, LAYER_FEATURES
 from kvforge.builder import select_attention_backend
 from kvforge.plugin_manager import get_plugin_manager, reset_plugin_manager
 from kvforge.plugins.attention import flash_attn_backend as fa_mod
@@ -464,7 +464,8 @@ def test_flashinfer_declares_window_and_soft_cap_but_no_sinks(fake_flashinfer, n
     ok = dict(device=CUDA, dtype=torch.bfloat16, head_size=128, block_size=16)
     assert FlashInferAttentionBackend.validate(**ok, features=("sliding_window", "logits_soft_cap")) == []
     assert FlashInferAttentionBackend.validate(**ok, features=ATTENTION_FEATURES) == [
-        "no attention sinks support (the model's layers need it)"]
+        "no attention sinks support (the model's layers need it)",
+        "no bidirectional spans support (the model's layers need it)"]
     fi = FlashInferAttentionBackend(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=4,
                                     dtype=torch.float32, device=torch.device("cpu"), workspace_mib=16)
     with pytest.raises(ValueError, match="cannot run layer 3: no attention sinks support"):
@@ -511,11 +512,11 @@ def test_flash_attn_sinks_need_fa4(monkeypatch, on_cpu, no_cuda):
     kw = dict(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, block_size=16, dtype=torch.float32,
               device=torch.device("cpu"))
     install_fake_flash_attn(monkeypatch, "fa4")
-    assert FlashAttnBackend.validate(**ok, features=ATTENTION_FEATURES) == []
+    assert FlashAttnBackend.validate(**ok, features=LAYER_FEATURES) == []
     assert FlashAttnBackend(**kw).layer(0, sinks=torch.zeros(8)).sinks is not None
     install_fake_flash_attn(monkeypatch, "fa3")
     assert FlashAttnBackend.validate(**ok, features=("sliding_window", "logits_soft_cap")) == []
-    assert FlashAttnBackend.validate(**ok, features=ATTENTION_FEATURES) == [
+    assert FlashAttnBackend.validate(**ok, features=LAYER_FEATURES) == [
         "flash_attn fa3 takes no attention sinks (FA4's learnable_sink only)"]
     backend = FlashAttnBackend(**kw)
     with pytest.raises(ValueError, match="cannot run layer 2: no attention sinks support in flash_attn fa3"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvforge.attention import ATTENTION_FEATURES
+from kvforge.attention import ATTENTION_FEATURES, LAYER_FEATURES
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.attention.triton_backend import TritonAttentionBackend
 from testing_support import IN_INTERPRETER, first_visible, give_back_blocks, interpreted, random_layout
@@ -317,7 +317,9 @@ def test_validate_and_options(monkeypatch):
     kw = dict(dtype=torch.float16, head_size=128, block_size=16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert TritonAttentionBackend.validate(device="cpu", **kw) == []
-    assert TritonAttentionBackend.validate(device="cpu", **kw, features=ATTENTION_FEATURES) == []
+    assert TritonAttentionBackend.validate(device="cpu", **kw, features=LAYER_FEATURES) == []
+    assert TritonAttentionBackend.validate(device="cpu", **kw, features=ATTENTION_FEATURES) == [
+        "no bidirectional spans support (the model's layers need it)"]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert any("device cpu" in r for r in TritonAttentionBackend.validate(device="cpu", **kw))
     reasons = TritonAttentionBackend.validate(device="cuda", dtype=torch.float16, head_size=80, block_size=8)
