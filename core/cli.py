@@ -21,6 +21,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-cache-memory-gib", dict(type=float, default=None)),
     ("--num-gpu-blocks-override", dict(type=int, default=None)),
     ("--swap-space", dict(type=float, default=None, help="GiB of CPU memory for KV blocks preempted by swapping")),
+    ("--kv-offload-cpu-gib", dict(type=float, default=None,
+                                  help="GiB of CPU memory per rank keeping prefix-cached KV blocks the GPU pool reuses (0)")),
     ("--max-num-seqs", dict(type=int, default=None)),
     ("--max-num-batched-tokens", dict(type=int, default=None)),
     ("--max-logprobs", dict(type=int, default=None, help="most logprobs / prompt_logprobs a request may ask for (20)")),

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 from kvforge.request import Request
+
+if TYPE_CHECKING:
+    from kvforge.kv_tier import TierIndex
 
 
 @dataclass
@@ -32,6 +35,12 @@ class KVCacheStats:
     num_free_cpu_blocks: int = 0
     num_swapped_out_blocks: int = 0  # blocks copied device -> CPU pool, total since start
     num_swapped_in_blocks: int = 0  # blocks copied CPU pool -> device, total since start
+    # a host tier of prefix-cached blocks (kvforge.kv_tier): prefix-cache hits it gave (tokens, counted
+    # in prefix_cache_hits too), blocks saved to it, its slots and those holding a block
+    tier_hits: int = 0
+    tier_stored_blocks: int = 0
+    tier_slots: int = 0
+    tier_held_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -54,6 +63,9 @@ def hash_block(parent: Hashable | None, tokens: Sequence[int], extra: Hashable |
 
 #: a block-table entry given back because it left the sliding window (never read again)
 NULL_BLOCK = -1
+#: stands, in ``get_computed_blocks``' list, for a prefix block the host tier holds (``attach_tier``):
+#: ``allocate_slots`` gives it a device block and loads it there
+TIER_BLOCK = -2
 
 
 class KVCacheManager(ABC):
@@ -133,6 +145,17 @@ class KVCacheManager(ABC):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; only possible (True) while no request holds blocks."""
         return False
+
+    def attach_tier(self, tier: TierIndex) -> None:
+        """Keep prefix-cached blocks beyond the device in ``tier`` (``kvforge.kv_tier``): a manager that
+        can saves each cached block it reuses there and continues prefix lookups in it (its
+        ``get_computed_blocks`` then lists :data:`TIER_BLOCK` for each such block). Default: not kept."""
+        return None
+
+    def take_tier_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The next step's tier copies: ``(device block, slot)`` saves and ``(slot, device block)`` loads."""
+        tier = getattr(self, "tier", None)
+        return tier.take_transfers() if tier is not None else ([], [])
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the CPU pool: give up its device blocks, take CPU blocks.

@@ -63,6 +63,10 @@ def _engine_families(s: EngineStats, model: str) -> Iterator[Metric]:
     yield gauge("kvforge:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s["kv_cache_usage"])
     yield counter("kvforge:prefix_cache_queries", "Tokens looked up in the prefix cache.", s["prefix_cache_queries"])
     yield counter("kvforge:prefix_cache_hits", "Tokens found in the prefix cache.", s["prefix_cache_hits"])
+    yield counter("kvforge:prefix_cache_tier_hits", "Tokens of the prefix-cache hits that came from the host tier.",
+                  s["prefix_cache_tier_hits"])
+    yield counter("kvforge:kv_tier_stored_blocks", "Prefix-cached KV blocks saved to the host tier.",
+                  s["kv_tier_stored_blocks"])
     yield counter("kvforge:num_preemptions", "Preemptions of running sequences.", s["num_preemptions"])
     yield by(CounterMetricFamily, "kvforge:num_preemptions_by_mode", "Preemptions by mode.", "mode",
              (("recompute", s["num_preemptions_recompute"]), ("swap", s["num_preemptions_swap"])))

@@ -44,6 +44,7 @@ CHECKED = [
     "rank/input_buffers.py",
     "engine/input_checks.py",
     "kv_cache.py",
+    "kv_tier.py",
     "layers/__init__.py",
     "layers/linear.py",
     "layers/moe.py",

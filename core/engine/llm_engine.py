@@ -15,6 +15,7 @@ from kvforge.engine.request_factory import RequestFactory
 from kvforge.engine.stats import EngineStats
 from kvforge.engine.structured_output import StructuredOutputManager
 from kvforge.errors import RequestFailure, is_device_error
+from kvforge.kv_tier import TierIndex
 from kvforge.lora.registry import LoRARegistry, check_lora_request
 from kvforge.lora.request import LoRARequest
 from kvforge.model import quantization
@@ -30,6 +31,7 @@ from kvforge.rank.messages import (
     CaptureCudaGraphs,
     DetermineNumBlocks,
     InitializeCache,
+    InitializeKVTier,
     InitializeSwapSpace,
 )
 from kvforge.rank.model_runner import ModelRunner
@@ -154,6 +156,10 @@ class LLMEngine:
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   num_cpu_blocks=num_cpu_blocks, **self._kv_window_arg(mc))
+        if config.kv_offload_cpu_gib and config.enable_prefix_caching:  # a host tier of prefix-cached blocks
+            slots = min(executor.call(InitializeKVTier(config.kv_offload_cpu_gib)))
+            if slots:
+                self.kv_cache.attach_tier(TierIndex(slots))
         # max_loras only with LoRA on: a scheduler written before it existed keeps working without
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
@@ -482,6 +488,7 @@ class LLMEngine:
                 "num_free_cpu_blocks": kv.num_free_cpu_blocks, "waiting_by_priority": sch.waiting_by_priority,
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
+                "prefix_cache_tier_hits": kv.tier_hits, "kv_tier_stored_blocks": kv.tier_stored_blocks,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
                 "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None,
                 "rank_batch_requests": list(self.rank_batch_requests)}

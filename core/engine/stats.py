@@ -40,6 +40,8 @@ class EngineStats(TypedDict):
     num_swapped_out_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    prefix_cache_tier_hits: int  # of those, tokens the host tier gave (kvforge.kv_tier)
+    kv_tier_stored_blocks: int  # blocks saved to the host tier since start
     num_prompt_tokens: int
     num_generation_tokens: int
     spec_decode: SpecDecodeSnapshot | None  # None without speculative decoding
@@ -51,5 +53,6 @@ class EngineStats(TypedDict):
 CountKey = Literal["num_running", "num_waiting", "num_preemptions", "num_preemptions_recompute",
                    "num_preemptions_swap", "num_swapped", "num_blocks", "num_free_blocks", "num_cpu_blocks",
                    "num_free_cpu_blocks", "num_swapped_out_blocks", "prefix_cache_queries", "prefix_cache_hits",
+                   "prefix_cache_tier_hits", "kv_tier_stored_blocks",
                    "num_prompt_tokens", "num_generation_tokens"]
 COUNT_KEYS: tuple[CountKey, ...] = get_args(CountKey)

@@ -100,6 +100,17 @@ class CaptureCudaGraphs(RankCall[float]):
 
 
 @dataclass(frozen=True, slots=True)
+class InitializeKVTier(RankCall[int]):
+    """Size the host tier of prefix-cached blocks (``kvforge.kv_tier``); its number of slots."""
+
+    worker_method = "initialize_kv_tier"
+    gib: float
+
+    def apply(self, worker: Worker) -> int:
+        return worker.initialize_kv_tier(self.gib)
+
+
+@dataclass(frozen=True, slots=True)
 class InitializeSwapSpace(RankCall[int]):
     """Size the CPU swap pool; its number of blocks."""
 

@@ -40,6 +40,10 @@ class StepInput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    #: the host tier of prefix-cached blocks (kvforge.kv_tier): (device block, slot) saves of blocks the
+    #: step reuses, (slot, device block) loads of prefix blocks it found there
+    tier_saves: list[tuple[int, int]] = field(default_factory=list)
+    tier_loads: list[tuple[int, int]] = field(default_factory=list)
     graph_key: tuple[int, int] | None = None  # (padded size, q): replay that CUDA graph
     #: rows whose logits are sampled (hidden-state row indices); None: the first ``num_sample_rows``
     sample_rows: np.ndarray | None = None
@@ -72,7 +76,8 @@ class StepInput:
     @property
     def has_work(self) -> bool:
         """Whether workers have anything to do (a batch, or bookkeeping: swaps, forgotten requests)."""
-        return bool(self.req_ids or self.dropped or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return bool(self.req_ids or self.dropped or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.tier_saves or self.tier_loads)
 
 
 @dataclass
@@ -114,6 +119,7 @@ class StepInputBuilder:
         step = StepInput(blocks_to_copy=out.blocks_to_copy, blocks_to_swap_out=out.blocks_to_swap_out,
                          blocks_to_swap_in=out.blocks_to_swap_in, graph_key=graph_key)
         plan = StepPlan()
+        step.tier_saves, step.tier_loads = kv.take_tier_transfers()
         dropped = [*out.finished_request_ids, *(r.request_id for r in out.preempted)]
         for rid in dropped:
             self.sent.pop(rid, None)

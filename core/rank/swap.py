@@ -42,23 +42,40 @@ class CPUSwapSpace:
 
     def swap(self, device_caches: list[torch.Tensor], swap_out: Pairs = (), swap_in: Pairs = ()) -> None:
         """Copy ``(device, cpu)`` blocks out to the pool and ``(cpu, device)`` blocks back, every layer."""
-        if not swap_out and not swap_in:
-            return
+        transfer(device_caches, [(self, swap_out, swap_in)])
+
+    def ready(self) -> list[torch.Tensor]:
+        """The pool's per-layer tensors, allocated on first use."""
         if not self.caches:
             if not self.num_cpu_blocks:
                 raise ValueError("swap: the CPU swap pool is empty (swap_space=0)")
             self._allocate()
-        in_src = [c for c, _ in swap_in]
-        for dev, cpu in zip(device_caches, self.caches):
-            dev, cpu = as_bytes(dev), as_bytes(cpu)  # FP8: copied as bytes (PyTorch lacks float8 kernels)
-            staged = None
-            if swap_in:  # read before the swap-outs may overwrite a CPU block this step released
-                staged = dev.new_empty((dev.shape[0], len(in_src), *dev.shape[2:]))
-                copy_blocks(staged, range(len(in_src)), cpu, in_src)
-            if swap_out:
-                copy_blocks(cpu, [c for _, c in swap_out], dev, [d for d, _ in swap_out])
-            if staged is not None:
-                dev[:, torch.tensor([d for _, d in swap_in], device=dev.device)] = staged
+        return self.caches
+
+
+def transfer(device_caches: list[torch.Tensor], pools: Sequence[tuple[CPUSwapSpace, Pairs, Pairs]]) -> None:
+    """One step's copies between the device cache and host pools (the swap pool, a KV tier): for each
+    pool its ``(device, cpu)`` outs and ``(cpu, device)`` ins. Every source is read before any block is
+    written, layer by layer: the ins are staged on the device, the outs copied, then the staged ins
+    written. So a device block that one pool reads and another writes in the same step (a block evicted
+    from the prefix cache and refilled), or a host block released and retaken, is right."""
+    pools = [(p, list(outs), list(ins)) for p, outs, ins in pools if outs or ins]
+    if not pools:
+        return
+    hosts = [p.ready() for p, _, _ in pools]
+    for i, dev in enumerate(device_caches):
+        dev = as_bytes(dev)  # FP8: copied as bytes (PyTorch lacks float8 kernels)
+        staged = []
+        for (_, _, ins), host in zip(pools, hosts):  # read before an out may overwrite a host block
+            if ins:
+                block = dev.new_empty((dev.shape[0], len(ins), *dev.shape[2:]))
+                copy_blocks(block, range(len(ins)), as_bytes(host[i]), [c for c, _ in ins])
+                staged.append((block, [d for _, d in ins]))
+        for (_, outs, _), host in zip(pools, hosts):
+            if outs:
+                copy_blocks(as_bytes(host[i]), [c for _, c in outs], dev, [d for d, _ in outs])
+        for block, targets in staged:
+            dev[:, torch.tensor(targets, device=dev.device)] = block
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:

@@ -15,7 +15,7 @@ every rank (``Executor.collective_rpc``), by name.
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -35,7 +35,7 @@ from kvforge.rank.profiler import RankProfiler
 from kvforge.rank.prompt_logits import prompt_logits, prompt_logprobs_rows
 from kvforge.rank.stage_forward import driver_tokens, fill_placeholders, stage_forward, stage_replay
 from kvforge.rank.step_input import ForwardOutput, StepInput
-from kvforge.rank.swap import CPUSwapSpace
+from kvforge.rank.swap import CPUSwapSpace, transfer
 from kvforge.rank.worker_spec import WorkerSpec
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CUDAGraphRunner | None = None  # once captured
         self.swap_space: CPUSwapSpace | None = None
+        self.kv_tier: CPUSwapSpace | None = None  # host slots of prefix-cached blocks (initialize_kv_tier)
         self.buffers: StepBuffers | None = None  # once the cache is initialized
         self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
         self.batch = PersistentBatch()
@@ -133,7 +134,7 @@ class Worker:
         self.graphs = None
         self.kv_caches = []
         self.encoder_cache = {}
-        self.model = self.lora = self.swap_space = self.buffers = None
+        self.model = self.lora = self.swap_space = self.kv_tier = self.buffers = None
 
     def start_profile(self) -> None:
         """Start a ``torch.profiler`` trace of this rank (host and, on CUDA, device activity)."""
@@ -231,15 +232,27 @@ class Worker:
         self.swap_space = CPUSwapSpace(self.attn, self.num_layers, num_cpu_blocks)
         return num_cpu_blocks
 
-    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy ``(device, cpu)`` blocks to the CPU pool and ``(cpu, device)`` blocks back, every layer.
+    def initialize_kv_tier(self, gib: float) -> int:
+        """Size the host tier of prefix-cached blocks (allocated on its first use); its number of slots."""
+        slots = int(gib * kv_sizing.GiB) // self.bytes_per_block()
+        self.kv_tier = CPUSwapSpace(self.attn, self.num_layers, slots) if slots else None
+        return slots
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                    tier_saves: Sequence[tuple[int, int]] = (), tier_loads: Sequence[tuple[int, int]] = ()) -> None:
+        """Copy ``(device, cpu)`` blocks to the CPU swap pool and ``(cpu, device)`` blocks back, and the
+        prefix-cache tier's saves and loads, every layer, every source read before any block is written.
 
         NOTE: called before any other cache write of the step (see ``kvforge.rank.swap``).
         """
-        if swap_out or swap_in:
-            if self.swap_space is None:
+        if swap_out or swap_in or tier_saves or tier_loads:
+            if (swap_out or swap_in) and self.swap_space is None:
                 raise ValueError("swap: no CPU swap pool (initialize_swap_space was not called)")
-            self.swap_space.swap(self.kv_caches, swap_out, swap_in)
+            if (tier_saves or tier_loads) and self.kv_tier is None:
+                raise ValueError("kv tier: none sized (initialize_kv_tier was not called)")
+            transfer(self.kv_caches, [(pool, outs, ins) for pool, outs, ins in
+                                      ((self.swap_space, swap_out, swap_in), (self.kv_tier, tier_saves, tier_loads))
+                                      if pool is not None])
 
     def prompt_logprobs_rows(self) -> int:
         """Prompt positions whose log-probabilities are computed at once (``kvforge.rank.prompt_logits``)."""
@@ -256,7 +269,8 @@ class Worker:
         driver) takes each slice of prompt-position logits.
         """
         self.batch.apply(step)
-        self.swap_blocks(step.blocks_to_swap_out, step.blocks_to_swap_in)  # even in a step with no batch
+        # even in a step with no batch
+        self.swap_blocks(step.blocks_to_swap_out, step.blocks_to_swap_in, step.tier_saves, step.tier_loads)
         if not step.req_ids:
             return None
         model = _held(self.model, self.rank, RELEASED)

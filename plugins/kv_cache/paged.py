@@ -23,7 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvforge.kv_cache import NULL_BLOCK, KVCacheManager, KVCacheStats, hash_block
+from kvforge.kv_cache import NULL_BLOCK, TIER_BLOCK, KVCacheManager, KVCacheStats, hash_block
+from kvforge.kv_tier import TierIndex
 from kvforge.request import Request
 
 
@@ -56,6 +57,12 @@ class PagedKVCacheManager(KVCacheManager):
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> CPU blocks, logical order
         self.swapped_out = self.swapped_in = 0
         self.num_dropped: dict[str, int] = {}  # request -> its leading blocks given back (behind the window)
+        self.tier: TierIndex | None = None  # a host tier of prefix-cached blocks (attach_tier)
+        self.tier_pending: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # request -> tier hits to load
+        self.tier_hits = 0
+
+    def attach_tier(self, tier: TierIndex) -> None:
+        self.tier = tier
 
     # -- prefix cache ----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -66,18 +73,25 @@ class PagedKVCacheManager(KVCacheManager):
         found: list[int] = []
         parent_hash, parent_id = None, None
         extra, images = request.cache_key, bool(request.mm_features)  # (a text request's key is one per request)
+        tier, pending = self.tier, []
         for i in range(max_blocks):
             tokens = tuple(request.tokens(i * bs, (i + 1) * bs))
             h = hash_block(parent_hash, tokens, request.block_key(i * bs, (i + 1) * bs) if images else extra)
-            block_id = self.cached.get(h)
-            if block_id is None:
-                break
+            block_id = self.cached.get(h) if not pending else None
+            if block_id is None:  # past the device's hits, the host tier's (loaded by allocate_slots)
+                if tier is None or not tier.contains(h, tokens):
+                    break
+                pending.append((h, tokens))
+                parent_hash = h
+                continue
             block = self.blocks[block_id]
             if block.tokens != tokens or block.parent != parent_id:
                 break  # hash collision: not the same prefix
             found.append(block_id)
             parent_hash, parent_id = h, block_id
-        return found, len(found) * bs
+        if tier is not None:
+            self.tier_pending[request.request_id] = pending
+        return found + [TIER_BLOCK] * len(pending), (len(found) + len(pending)) * bs
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
         """Give every newly full block of the request its chained hash."""
@@ -119,17 +133,38 @@ class PagedKVCacheManager(KVCacheManager):
         total = num_computed + num_new_tokens
         if self.sliding_window is not None and not first:
             self._drop_behind_window(rid, table, num_computed, self.sliding_window)
-        reviving = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        loads = self.tier_pending.pop(rid, []) if TIER_BLOCK in computed_blocks else []
+        reviving = sum(1 for b in computed_blocks if b != TIER_BLOCK and self.blocks[b].ref_count == 0)
         need = -(-total // bs) - len(table) - len(computed_blocks)
         cow = self._needs_cow(table, num_computed) and num_new_tokens > 0
-        if need + cow + reviving > len(self.free_queue):
+        if need + cow + reviving + len(loads) > len(self.free_queue):
+            if loads:
+                self.tier_pending[rid] = loads  # (the next try finds them again anyway)
             return False
         for b in computed_blocks:
+            if b == TIER_BLOCK:
+                continue
             block = self.blocks[b]
             if block.ref_count == 0:
                 del self.free_queue[b]
             block.ref_count += 1
             table.append(b)
+        if loads:  # (the blocks popped for them may save others: those must not push these out)
+            assert self.tier is not None
+            self.tier.pinned = {h for h, _ in loads}
+        for h, tokens in loads:  # a fresh device block each, loaded from the tier and cached again
+            block = self.blocks[self._pop_free()]
+            if h not in self.cached:
+                block.hash, block.tokens = h, tokens
+                block.parent = table[-1] if table else None
+                self.cached[h] = block.block_id
+            table.append(block.block_id)
+            assert self.tier is not None
+            self.tier.load(h, block.block_id)
+        if loads:
+            assert self.tier is not None
+            self.tier.pinned = set()
+        self.tier_hits += len(loads) * bs
         if cow:
             self._copy_on_write(table, num_computed)
         for _ in range(max(need, 0)):
@@ -176,6 +211,8 @@ class PagedKVCacheManager(KVCacheManager):
     def _pop_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
+        if self.tier is not None and block.hash is not None and block.tokens is not None:
+            self.tier.save(block.hash, block.tokens, block_id)  # copied out before the step writes it
         self._evict(block)
         block.ref_count = 1
         return block_id
@@ -183,6 +220,7 @@ class PagedKVCacheManager(KVCacheManager):
     def free(self, request_id: str) -> None:
         self.cpu_free.extend(c for c in self.cpu_tables.pop(request_id, ()) if c != NULL_BLOCK)
         table = self.tables.pop(request_id, None)
+        self.tier_pending.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
         self.hashes.pop(request_id, None)
         self.num_dropped.pop(request_id, None)
@@ -272,11 +310,16 @@ class PagedKVCacheManager(KVCacheManager):
             num_cached_blocks=len(self.cached), prefix_cache_queries=self.queries,
             prefix_cache_hits=self.hits, num_cow_copies=self.cow_copies, num_cpu_blocks=self.num_cpu_blocks,
             num_free_cpu_blocks=len(self.cpu_free), num_swapped_out_blocks=self.swapped_out,
-            num_swapped_in_blocks=self.swapped_in)
+            num_swapped_in_blocks=self.swapped_in, tier_hits=self.tier_hits,
+            tier_stored_blocks=self.tier.stored if self.tier is not None else 0,
+            tier_slots=self.tier.num_slots if self.tier is not None else 0,
+            tier_held_blocks=len(self.tier.held) if self.tier is not None else 0)
 
     def reset_prefix_cache(self) -> bool:
         if any(self.tables.values()):
             return False
         for block in self.blocks:
             self._evict(block)
+        if self.tier is not None:
+            self.tier.clear()
         return True
