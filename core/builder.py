@@ -37,6 +37,12 @@ def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **k
     return cls(**kwargs, **options)
 
 
+def kv_connector(pm: PluginManager, name: str, config: EngineConfig) -> Any:
+    """The KV connector ``name`` (``kvforge.kv_connector.KVConnector``) as the engine and every rank build
+    it: ``gib`` from ``kv_offload_cpu_gib``, the rest from its ``[plugins.<name>]`` options."""
+    return component(pm, "kv_connector", name, config, gib=config.kv_offload_cpu_gib)
+
+
 def auto_order(pm: PluginManager) -> tuple[list[tuple[str, type]], list[str]]:
     """Every registered attention backend that imports, as (name, class), in ``auto``'s order: highest
     ``capabilities.auto_priority`` first (as declared by the class itself), ties by name (data a third-party backend joins, not a list in

@@ -23,6 +23,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--swap-space", dict(type=float, default=None, help="GiB of CPU memory for KV blocks preempted by swapping")),
     ("--kv-offload-cpu-gib", dict(type=float, default=None,
                                   help="GiB of CPU memory per rank keeping prefix-cached KV blocks the GPU pool reuses (0)")),
+    ("--kv-connector", dict(default=None, help="the tier of those blocks, a kv_connector plugin (cpu)")),
     ("--max-num-seqs", dict(type=int, default=None)),
     ("--max-num-batched-tokens", dict(type=int, default=None)),
     ("--max-logprobs", dict(type=int, default=None, help="most logprobs / prompt_logprobs a request may ask for (20)")),

@@ -53,6 +53,8 @@ class EngineConfig:
     kv_offload_cpu_gib: GiB of host memory per rank for prefix-cached KV blocks the device pool reuses
         (a tier beyond the GPU: a later request with the same prefix loads them instead of computing
         them; docs/kv_cache.md); allocated on first use, pinned on CUDA. 0: off. Needs prefix caching.
+    kv_connector: the tier those blocks go to, a registered ``kv_connector`` plugin (None: ``cpu`` when
+        ``kv_offload_cpu_gib`` is set, else none); it gets ``kv_offload_cpu_gib`` as its ``gib``.
     max_num_seqs: most requests running in one step (``LLM`` on a GPU of 70 GiB or more: 1024 unless
         set, as vLLM's offline default there; see :data:`LARGE_GPU_OFFLINE`).
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens; ``LLM`` on a GPU
@@ -114,6 +116,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0
     kv_offload_cpu_gib: float = 0.0
+    kv_connector: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
@@ -189,6 +192,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if not number(self.kv_offload_cpu_gib) or not 0 <= self.kv_offload_cpu_gib < float("inf"):
             raise ValueError(f"kv_offload_cpu_gib must be a number of GiB >= 0, got {self.kv_offload_cpu_gib!r}")
+        if self.kv_connector is not None and (not isinstance(self.kv_connector, str) or not self.kv_connector):
+            raise ValueError(f"kv_connector must be a connector's name or None, got {self.kv_connector!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

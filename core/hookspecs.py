@@ -118,6 +118,19 @@ def register_kv_cache_managers(register: Register) -> None:
 
 
 @hookspec
+def register_kv_connectors(register: Register) -> None:
+    """Register KV connectors (tiers beyond the GPU for prefix-cached KV blocks) by name.
+
+    :param register: call ``register(name, target)``; ``target`` is a subclass of
+        :class:`kvforge.kv_connector.KVConnector` or a ``"module:Class"`` string naming one.
+    :return: nothing; results are ignored.
+
+    Called once per process when the plugin manager loads; the engine's ``kv_connector`` option
+    selects one (``kv_offload_cpu_gib`` the built-in ``cpu``).
+    """
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model implementations by Hugging Face architecture name.
 

@@ -18,10 +18,9 @@ class TierIndex:
     """Which block hashes ``num_slots`` host slots hold, least recently used first, and the copies the
     next step runs. One per engine (every rank holds the same slots of its own heads)."""
 
-    medium = "CPU"
-
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, medium: str = "CPU"):
         self.num_slots = num_slots
+        self.medium = medium  # where the blocks live ("CPU", "DISK"), as KV events name it
         self.held: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
         self.free = list(range(num_slots - 1, -1, -1))  # popped from the end
         self.saves: list[tuple[int, int]] = []  # (device block, slot) of the next step

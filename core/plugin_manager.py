@@ -30,6 +30,7 @@ KINDS: dict[str, str] = {
     "drafter": "register_drafters",
     "logits_processor": "register_logits_processors",
     "kv_cache_manager": "register_kv_cache_managers",
+    "kv_connector": "register_kv_connectors",
     "model": "register_models",
     "executor": "register_executors",
     "quantization_method": "register_quantization_methods",

@@ -8,14 +8,13 @@ from typing import AbstractSet, Any
 
 import torch
 
-from kvforge.builder import component, validate_plugin_tables
+from kvforge.builder import component, kv_connector, validate_plugin_tables
 from kvforge.config import EngineConfig
 from kvforge.engine.output_processor import OutputProcessor, ParentState
 from kvforge.engine.request_factory import RequestFactory
 from kvforge.engine.stats import EngineStats
 from kvforge.engine.structured_output import StructuredOutputManager
 from kvforge.errors import RequestFailure, is_device_error
-from kvforge.kv_tier import TierIndex
 from kvforge.lora.registry import LoRARegistry, check_lora_request
 from kvforge.lora.request import LoRARequest
 from kvforge.model import quantization
@@ -156,10 +155,12 @@ class LLMEngine:
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   num_cpu_blocks=num_cpu_blocks, **self._kv_window_arg(mc))
-        if config.kv_offload_cpu_gib and config.enable_prefix_caching:  # a host tier of prefix-cached blocks
-            slots = min(executor.call(InitializeKVTier(config.kv_offload_cpu_gib)))
+        tier = config.kv_connector or ("cpu" if config.kv_offload_cpu_gib else None)
+        if tier is not None and config.enable_prefix_caching:  # a tier beyond the GPU for prefix-cached blocks
+            connector = kv_connector(pm, tier, config)  # (an unknown name fails here, naming the registered)
+            slots = min(executor.call(InitializeKVTier(tier)))
             if slots:
-                self.kv_cache.attach_tier(TierIndex(slots))
+                self.kv_cache.attach_tier(connector.index(slots))
         # max_loras only with LoRA on: a scheduler written before it existed keeps working without
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,

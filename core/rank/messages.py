@@ -104,10 +104,10 @@ class InitializeKVTier(RankCall[int]):
     """Size the host tier of prefix-cached blocks (``kvforge.kv_tier``); its number of slots."""
 
     worker_method = "initialize_kv_tier"
-    gib: float
+    connector: str
 
     def apply(self, worker: Worker) -> int:
-        return worker.initialize_kv_tier(self.gib)
+        return worker.initialize_kv_tier(self.connector)
 
 
 @dataclass(frozen=True, slots=True)

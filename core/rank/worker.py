@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 import torch
 
 from kvforge.attention import BatchLayout
+from kvforge.builder import kv_connector
 from kvforge.errors import is_device_error
 from kvforge.model.interface import capabilities_of
 from kvforge.multimodal.profile import encoder_cache_bytes, profile_features
@@ -84,7 +85,7 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CUDAGraphRunner | None = None  # once captured
         self.swap_space: CPUSwapSpace | None = None
-        self.kv_tier: CPUSwapSpace | None = None  # host slots of prefix-cached blocks (initialize_kv_tier)
+        self.kv_tier: Any = None  # a KV connector's store of prefix-cached blocks (initialize_kv_tier)
         self.buffers: StepBuffers | None = None  # once the cache is initialized
         self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
         self.batch = PersistentBatch()
@@ -232,10 +233,12 @@ class Worker:
         self.swap_space = CPUSwapSpace(self.attn, self.num_layers, num_cpu_blocks)
         return num_cpu_blocks
 
-    def initialize_kv_tier(self, gib: float) -> int:
-        """Size the host tier of prefix-cached blocks (allocated on its first use); its number of slots."""
-        slots = int(gib * kv_sizing.GiB) // self.bytes_per_block()
-        self.kv_tier = CPUSwapSpace(self.attn, self.num_layers, slots) if slots else None
+    def initialize_kv_tier(self, connector: str) -> int:
+        """This rank's store of the KV connector ``connector`` (``kvforge.kv_connector``: its storage is
+        allocated on first use); its number of slots."""
+        tier = kv_connector(get_plugin_manager(), connector, self.spec.config)
+        slots = tier.slots(self.bytes_per_block())
+        self.kv_tier = tier.store(self.attn, self.num_layers, slots) if slots else None
         return slots
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

@@ -97,3 +97,18 @@ def test_one_steps_copies_read_every_source_before_any_write():
     transfer(dev, [(swap, [], [(0, 1)]), (tier, [(3, 0), (1, 1)], [(0, 3)])])
     assert torch.equal(tier.caches[0][:, 0], old[:, 3]) and torch.equal(tier.caches[0][:, 1], old[:, 1])
     assert (dev[0][:, 3] == -1).all() and (dev[0][:, 1] == -2).all() and torch.equal(dev[0][:, 0], old[:, 0])
+
+
+def test_a_third_party_connector_selected_by_name_gets_its_options_and_keeps_the_tokens(reference,
+                                                                                           dummy_plugin_installed):
+    """The dummy plugin's connector (its own host tensors, a slot cap from ``[plugins.dummy_tier]``, an index
+    that counts its loads) proves the contract: the same tokens, its loads counted, its cap held."""
+    from kvforge_dummy_plugin.components import CountingTier
+
+    before = CountingTier.loads
+    tiered, stats, _ = multi_turn(kv_connector="dummy_tier", kv_offload_cpu_gib=0.05,
+                                  plugins={"dummy_tier": {"max_slots": 40}})
+    assert tiered == reference and stats.tier_slots == 40 and stats.tier_hits == 32 * 16
+    assert CountingTier.loads - before == 32
+    with pytest.raises(ValueError, match="no_such_tier"):
+        LLM("dummy:tiny", device="cpu", num_gpu_blocks_override=16, kv_connector="no_such_tier")

@@ -33,6 +33,7 @@ def test_builtins_are_discovered_through_entry_points(pm):
     assert "fcfs" in pm.names("scheduler")
     assert "default" in pm.names("sampler")
     assert "paged" in pm.names("kv_cache_manager")
+    assert "cpu" in pm.names("kv_connector")
     assert {"uni", "mp"} <= set(pm.names("executor"))
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"} <= set(pm.names("model"))
     assert pm.plugins["attention"].distribution == "kvforge"
@@ -52,6 +53,7 @@ def test_every_registration_hook(pm):
     plugin = fake_plugin(
         register_samplers=lambda register: register("fake_sampler", FakeSampler),
         register_kv_cache_managers=lambda register: register("fake_kv", "kvforge.plugins.kv_cache.paged:PagedKVCacheManager"),
+        register_kv_connectors=lambda register: register("fake_tier", "kvforge.plugins.kv_cache.cpu_tier:CPUConnector"),
         register_drafters=lambda register: register("fake_drafter", "kvforge.spec_decode.drafter:Drafter"),
         register_models=lambda register: register("FakeForCausalLM", "kvforge.plugins.models.llama:LlamaForCausalLM"),
         register_attention_backends=lambda register: register("fake_attn", "kvforge.plugins.attention.torch_backend:TorchAttentionBackend"),
@@ -225,7 +227,7 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
     assert report["dummy"]["version"] == "0.0.1"
     assert report["dummy"]["registers"] == {"attention_backend": ["dummy_attn"], "scheduler": ["dummy_sched"],
                                             "logits_processor": ["fault", "dummy_ban", "dummy_script"], "drafter": ["dummy_repeat"],
-                                            "executor": ["dummy_counting"],
+                                            "kv_connector": ["dummy_tier"], "executor": ["dummy_counting"],
                                             "quantization_method": ["dummy_int8"], "model": ["GraniteForCausalLM", "SiglipLlavaForConditionalGeneration"],
                                             "tool_parser": ["dummy_xml"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]

@@ -1,4 +1,5 @@
-"""A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter, an executor,
+"""A third-party plugin: registers an attention backend, a scheduler, a logits processor, a drafter, a KV connector,
+an executor,
 a quantization method, two model architectures (Granite, and a LLaVA with a SigLIP tower that takes images)
 and a tool-call parser."""
 import kvforge
@@ -19,6 +20,11 @@ def register_logits_processors(register):
     register("fault", "kvforge_dummy_plugin.components:FaultInjector")
     register("dummy_ban", "kvforge_dummy_plugin.components:TokenBan")
     register("dummy_script", "kvforge_dummy_plugin.components:Script")
+
+
+@kvforge.hookimpl
+def register_kv_connectors(register):
+    register("dummy_tier", "kvforge_dummy_plugin.components:CountingTier")
 
 
 @kvforge.hookimpl

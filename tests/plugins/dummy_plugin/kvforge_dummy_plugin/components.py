@@ -6,6 +6,8 @@ import torch
 from kvforge.attention import PLAIN_LAYER
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
 from kvforge.executor import UniExecutor
+from kvforge.kv_connector import KVConnector
+from kvforge.kv_tier import TierIndex
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
 from kvforge.quantization import LinearMethod, QuantizationMethod
@@ -214,3 +216,51 @@ class Int8WeightOnly(QuantizationMethod):
     def linear_method(self, layer, names):
         return None if type(layer).__name__ == self.skip else _Int8Linear(self.checkpoint_config is not None)
 
+
+
+@dataclass
+class CountingTierOptions:
+    max_slots: int = 0  # at most this many blocks a rank keeps (0: what gib holds)
+
+
+class _HostStore:
+    """A rank's blocks, plain host tensors in the layer cache's layout (what ``transfer`` needs)."""
+
+    def __init__(self, attn, num_layers: int, slots: int):
+        self.attn, self.num_layers, self.slots, self.caches = attn, num_layers, slots, []
+
+    def ready(self) -> list:
+        if not self.caches:
+            shape = self.attn.kv_cache_shape(self.slots)
+            self.caches = [torch.zeros(shape, dtype=self.attn.kv_cache_dtype) for _ in range(self.num_layers)]
+        return self.caches
+
+
+class _CountingIndex(TierIndex):
+    def load(self, block_hash: int, device_block: int) -> None:
+        super().load(block_hash, device_block)
+        CountingTier.loads += 1
+
+
+class CountingTier(KVConnector):
+    """A KV connector written against the contract only: host tensors of its own, a cap on its slots (an
+    option), and an index that counts the blocks it loads."""
+
+    name = "dummy_tier"
+    medium = "CPU"
+    Options = CountingTierOptions
+    loads = 0  # blocks loaded, all instances
+
+    def __init__(self, *, gib: float = 0.0, max_slots: int = 0):
+        super().__init__(gib=gib)
+        self.max_slots = max_slots
+
+    def slots(self, bytes_per_block: int) -> int:
+        n = int(self.gib * (1 << 30)) // bytes_per_block
+        return min(n, self.max_slots) if self.max_slots else n
+
+    def store(self, attn, num_layers: int, slots: int) -> _HostStore:
+        return _HostStore(attn, num_layers, slots)
+
+    def index(self, slots: int) -> TierIndex:
+        return _CountingIndex(slots, medium=self.medium)
