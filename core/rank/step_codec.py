@@ -33,6 +33,11 @@ from kvforge.rank.step_input import StepInput
 ID_FIELDS = ("req_ids", "table_updates", "dropped")
 #: StepInput's other fields, in the order ``ExecuteStep.rest`` holds them
 OTHER_FIELDS = tuple(f.name for f in fields(StepInput) if f.name not in ID_FIELDS)
+#: each of those whose default is None or an empty list: the maker of that default (None: not omittable).
+#: Trailing fields at their defaults are left off the wire (most steps use none of the late, rarely set
+#: fields: LoRA, images, M-RoPE, tier copies) and the decoder makes them again.
+_OMITTABLE = tuple((lambda: None) if f.default is None else list if f.default_factory is list else None
+                   for f in fields(StepInput) if f.name not in ID_FIELDS)
 #: request ids one encoder remembers before it starts over (the engine drops every id it ends, so only
 #: a bug would reach it; starting over costs one step sending every id again)
 MAX_IDS = 1 << 16
@@ -91,6 +96,15 @@ def unpack_ints(packed: PackedInts) -> np.ndarray:
     return np.frombuffer(data, dtype=_WIRE_DTYPES[size]).astype(_INT64)
 
 
+def _at_default(i: int, value: object) -> bool:
+    """Whether ``value`` is OTHER_FIELDS[i]'s default and the field omittable (exactly: None for a None
+    default, an empty list for a list default)."""
+    make = _OMITTABLE[i]
+    if make is None:
+        return False
+    return value is None if make() is None else (type(value) is list and not value)
+
+
 class StepEncoder:
     """The driver's side: turns each ``StepInput`` into the :class:`ExecuteStep` every other rank gets."""
 
@@ -121,6 +135,8 @@ class StepEncoder:
                     value = ints
                     packed |= 1 << i
             rest.append(value)
+        while rest and _at_default(len(rest) - 1, rest[-1]):
+            rest.pop()
         for rid in step.dropped:  # the ranks forget them with this step: their slots are free again
             freed = known.pop(rid, None)
             if freed is not None:
@@ -155,4 +171,6 @@ class StepDecoder:
         state["dropped"] = [names[w] if isinstance(w, int) else w for w in msg.dropped]
         for i, (name, value) in enumerate(zip(OTHER_FIELDS, msg.rest)):
             state[name] = unpack_ints(cast(PackedInts, value)) if msg.packed >> i & 1 else value
+        for name, default in zip(OTHER_FIELDS[len(msg.rest):], _OMITTABLE[len(msg.rest):]):
+            state[name] = default()  # type: ignore[misc]  (left off the wire: omittable, at its default)
         return step

@@ -40,10 +40,6 @@ class StepInput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    #: the host tier of prefix-cached blocks (kvforge.kv_tier): (device block, slot) saves of blocks the
-    #: step reuses, (slot, device block) loads of prefix blocks it found there
-    tier_saves: list[tuple[int, int]] = field(default_factory=list)
-    tier_loads: list[tuple[int, int]] = field(default_factory=list)
     graph_key: tuple[int, int] | None = None  # (padded size, q): replay that CUDA graph
     #: rows whose logits are sampled (hidden-state row indices); None: the first ``num_sample_rows``
     sample_rows: np.ndarray | None = None
@@ -68,6 +64,10 @@ class StepInput:
     #: items whose rows attend both ways (kvforge.multimodal.spans): each token's lookahead, [num_tokens]
     #: int64 (BatchLayout.lookahead); None when no token of the step has one
     lookahead: np.ndarray | None = None
+    #: the host tier of prefix-cached blocks (kvforge.kv_tier): (device block, slot) saves of blocks the
+    #: step reuses, (slot, device block) loads of prefix blocks it found there
+    tier_saves: list[tuple[int, int]] = field(default_factory=list)
+    tier_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ from kvforge.rank.messages import (
     DetermineNumBlocks,
     FailedCall,
     InitializeCache,
+    InitializeKVTier,
     InitializeSwapSpace,
     RankCall,
     RemoveLora,
@@ -44,6 +45,7 @@ TYPED_CALLS = [
     InitializeCache(64, 512, 8, 256),
     CaptureCudaGraphs(8, 256, (1, 4)),
     InitializeSwapSpace(0.25),
+    InitializeKVTier("cpu"),
     BatchState(),
     StartProfile(),
     StopProfile("/tmp/traces"),
@@ -89,7 +91,11 @@ def _random_step(rng: random.Random, live: list[str], next_id: list[int]) -> Ste
         sample_rows=ints(0, 200, n) if rng.random() < 0.3 else None, num_sample_rows=n, compute_logits=bool(n),
         prompt_rows=ints(-big, big, rng.choice([0, 70, 300])) if rng.random() < 0.4 else None,  # long: bytes
         fill_dst=ints(0, 100, 2) if rng.random() < 0.3 else None, fill_src=np.array([3, 1], dtype=np.int32),
-        num_prev_tokens=n, lora_ids=ints(-(2**62), 2**62, n) if rng.random() < 0.2 else None)
+        num_prev_tokens=n, lora_ids=ints(-(2**62), 2**62, n) if rng.random() < 0.2 else None,
+        # the late, rarely set fields: left off the wire at their defaults, kept when set (an empty mm_free too)
+        mm_free=rng.choice([None, [], [7]]), rope_offsets=ints(-9, 0, n) if rng.random() < 0.2 else None,
+        lookahead=ints(0, 5, n) if rng.random() < 0.2 else None,
+        tier_saves=[(3, 1)] if rng.random() < 0.2 else [], tier_loads=[(1, 4)] if rng.random() < 0.2 else [])
 
 
 @pytest.mark.parametrize("max_ids", [1 << 16, 5])

@@ -26,7 +26,7 @@ class SwapRig:
 
     def __init__(self, attn, num_layers, num_blocks):
         self.attn, self.num_layers, self.extra_bytes_per_block = attn, num_layers, 0
-        self.swap_space = None
+        self.swap_space = self.kv_tier = None
         self.kv_caches = attn.allocate_kv_cache(num_blocks, num_layers)
 
 
