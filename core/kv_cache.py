@@ -80,6 +80,8 @@ class KVCacheManager(ABC):
     """
 
     name: str = ""
+    #: the host tier of prefix-cached blocks (:meth:`attach_tier`); None: none
+    tier: TierIndex | None = None
 
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0, sliding_window: int | None = None, **options: object):
@@ -154,8 +156,7 @@ class KVCacheManager(ABC):
 
     def take_tier_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The next step's tier copies: ``(device block, slot)`` saves and ``(slot, device block)`` loads."""
-        tier = getattr(self, "tier", None)
-        return tier.take_transfers() if tier is not None else ([], [])
+        return self.tier.take_transfers() if self.tier is not None else ([], [])
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the CPU pool: give up its device blocks, take CPU blocks.

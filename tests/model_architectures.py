@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import transformers
 
+from kvforge.plugins.models.image_processing import image_processor_class
+
 VOCAB = 128
 WINDOW = 24  # shorter than the test prompts: sliding-window layers really slide
 
@@ -145,12 +147,7 @@ def build_qwen2_vl(path: str, seed: int = 0, version: str = "2", **text_fields: 
                                         vision_start_token_id=QWEN2VL_IMAGE_TOKEN + 1,
                                         vision_end_token_id=QWEN2VL_IMAGE_TOKEN + 2, tie_word_embeddings=False)
     model = _saved_perturbed(model_cls, config, path, seed)
-    try:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil as ImageProcessor,
-        )
-    except ImportError:  # (transformers before the PIL processors, e.g. 5.17 on the GPU machine)
-        from transformers import Qwen2VLImageProcessor as ImageProcessor
+    ImageProcessor = image_processor_class("qwen2_vl", "Qwen2VLImageProcessor")
     ImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 16).save_pretrained(path)
     return model
 
@@ -170,12 +167,7 @@ def build_llava_next(path: str, seed: int = 0, **text_fields: Any) -> torch.nn.M
                                           vision_feature_layer=-2, vision_feature_select_strategy="default",
                                           projector_hidden_act="gelu", image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
     model = _saved_perturbed(transformers.LlavaNextForConditionalGeneration, config, path, seed)
-    try:
-        from transformers.models.llava_next.image_processing_pil_llava_next import (
-            LlavaNextImageProcessorPil as ImageProcessor,
-        )
-    except ImportError:  # (transformers before the PIL processors)
-        from transformers import LlavaNextImageProcessor as ImageProcessor
+    ImageProcessor = image_processor_class("llava_next", "LlavaNextImageProcessor")
     ImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                    image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(path)
     return model
@@ -197,10 +189,7 @@ def build_gemma3_vision(path: str, seed: int = 0, **text_fields: Any) -> torch.n
                                        image_token_index=GEMMA3_IMAGE_TOKEN, boi_token_index=GEMMA3_IMAGE_TOKEN + 1,
                                        eoi_token_index=GEMMA3_IMAGE_TOKEN + 2)
     model = _saved_perturbed(transformers.Gemma3ForConditionalGeneration, config, path, seed)
-    try:
-        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as ImageProcessor
-    except ImportError:  # (transformers before the PIL processors)
-        from transformers import Gemma3ImageProcessor as ImageProcessor
+    ImageProcessor = image_processor_class("gemma3", "Gemma3ImageProcessor")
     ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(path)
     return model
 

@@ -140,6 +140,7 @@ CHECKED = [
     "plugins/models/gpt_oss.py",
     "plugins/models/llama.py",
     "plugins/models/gemma3_mm.py",
+    "plugins/models/image_processing.py",
     "plugins/models/llava.py",
     "plugins/models/llava_next.py",
     "plugins/models/qwen2_vl.py",

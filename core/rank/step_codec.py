@@ -33,10 +33,11 @@ from kvforge.rank.step_input import StepInput
 ID_FIELDS = ("req_ids", "table_updates", "dropped")
 #: StepInput's other fields, in the order ``ExecuteStep.rest`` holds them
 OTHER_FIELDS = tuple(f.name for f in fields(StepInput) if f.name not in ID_FIELDS)
-#: each of those whose default is None or an empty list: the maker of that default (None: not omittable).
+#: each of those fields' default when it may be left off: None (a None default), ``list`` (an empty list),
+#: or False (not omittable).
 #: Trailing fields at their defaults are left off the wire (most steps use none of the late, rarely set
 #: fields: LoRA, images, M-RoPE, tier copies) and the decoder makes them again.
-_OMITTABLE = tuple((lambda: None) if f.default is None else list if f.default_factory is list else None
+_OMITTABLE = tuple(None if f.default is None else list if f.default_factory is list else False
                    for f in fields(StepInput) if f.name not in ID_FIELDS)
 #: request ids one encoder remembers before it starts over (the engine drops every id it ends, so only
 #: a bug would reach it; starting over costs one step sending every id again)
@@ -99,10 +100,8 @@ def unpack_ints(packed: PackedInts) -> np.ndarray:
 def _at_default(i: int, value: object) -> bool:
     """Whether ``value`` is OTHER_FIELDS[i]'s default and the field omittable (exactly: None for a None
     default, an empty list for a list default)."""
-    make = _OMITTABLE[i]
-    if make is None:
-        return False
-    return value is None if make() is None else (type(value) is list and not value)
+    kind = _OMITTABLE[i]
+    return value is None if kind is None else kind is list and type(value) is list and not value
 
 
 class StepEncoder:
@@ -171,6 +170,6 @@ class StepDecoder:
         state["dropped"] = [names[w] if isinstance(w, int) else w for w in msg.dropped]
         for i, (name, value) in enumerate(zip(OTHER_FIELDS, msg.rest)):
             state[name] = unpack_ints(cast(PackedInts, value)) if msg.packed >> i & 1 else value
-        for name, default in zip(OTHER_FIELDS[len(msg.rest):], _OMITTABLE[len(msg.rest):]):
-            state[name] = default()  # type: ignore[misc]  (left off the wire: omittable, at its default)
+        for name, kind in zip(OTHER_FIELDS[len(msg.rest):], _OMITTABLE[len(msg.rest):]):
+            state[name] = None if kind is None else []  # left off the wire: omittable, at its default
         return step

@@ -57,7 +57,6 @@ class PagedKVCacheManager(KVCacheManager):
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out request -> CPU blocks, logical order
         self.swapped_out = self.swapped_in = 0
         self.num_dropped: dict[str, int] = {}  # request -> its leading blocks given back (behind the window)
-        self.tier: TierIndex | None = None  # a host tier of prefix-cached blocks (attach_tier)
         self.tier_pending: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # request -> tier hits to load
         self.tier_hits = 0
 
@@ -116,6 +115,23 @@ class PagedKVCacheManager(KVCacheManager):
                 self.cached[h] = block.block_id
         self.num_hashed[rid] = max(start, num_tokens // bs)
 
+    def _load_from_tier(self, table: list[int], loads: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Append a fresh device block for each ``(hash, tokens)`` the tier holds, cached again under its
+        hash and loaded from the tier in the next step."""
+        tier = self.tier
+        assert tier is not None
+        tier.pinned = {h for h, _ in loads}  # the blocks popped here may save others: never pushing these out
+        for h, tokens in loads:
+            block = self.blocks[self._pop_free()]
+            if h not in self.cached:
+                block.hash, block.tokens = h, tokens
+                block.parent = table[-1] if table else None
+                self.cached[h] = block.block_id
+            table.append(block.block_id)
+            tier.load(h, block.block_id)
+        tier.pinned = set()
+        self.tier_hits += len(loads) * self.block_size
+
     def _evict(self, block: _Block) -> None:
         if block.hash is not None:
             if self.cached.get(block.hash) == block.block_id:
@@ -149,22 +165,8 @@ class PagedKVCacheManager(KVCacheManager):
                 del self.free_queue[b]
             block.ref_count += 1
             table.append(b)
-        if loads:  # (the blocks popped for them may save others: those must not push these out)
-            assert self.tier is not None
-            self.tier.pinned = {h for h, _ in loads}
-        for h, tokens in loads:  # a fresh device block each, loaded from the tier and cached again
-            block = self.blocks[self._pop_free()]
-            if h not in self.cached:
-                block.hash, block.tokens = h, tokens
-                block.parent = table[-1] if table else None
-                self.cached[h] = block.block_id
-            table.append(block.block_id)
-            assert self.tier is not None
-            self.tier.load(h, block.block_id)
         if loads:
-            assert self.tier is not None
-            self.tier.pinned = set()
-        self.tier_hits += len(loads) * bs
+            self._load_from_tier(table, loads)
         if cow:
             self._copy_on_write(table, num_computed)
         for _ in range(max(need, 0)):

@@ -27,6 +27,7 @@ from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.multimodal.inputs import MultiModalFeature, ProcessedPrompt
 from kvforge.multimodal.media import image_hash
 from kvforge.plugins.models.gemma import GemmaConfig, GemmaForCausalLM, GemmaRMSNorm
+from kvforge.plugins.models.image_processing import checkpoint_image_processor, image_processor_class
 from kvforge.plugins.models.llava import CLIPEncoder
 
 
@@ -123,15 +124,8 @@ def _double_newline(model_dir: str | None) -> int | None:
 
 
 def _image_processor(model_dir: str | None, size: int) -> Any:
-    from transformers import AutoImageProcessor
-
-    if model_dir is not None and os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
-        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-    try:  # (transformers >= 5.20 without torchvision: the PIL processor)
-        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil as ImageProcessor
-    except ImportError:
-        from transformers import Gemma3ImageProcessor as ImageProcessor  # type: ignore[assignment]
-    return ImageProcessor(size={"height": size, "width": size})
+    return checkpoint_image_processor(model_dir, lambda: image_processor_class("gemma3", "Gemma3ImageProcessor")(
+        size={"height": size, "width": size}))
 
 
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):

@@ -21,6 +21,7 @@ from kvforge.model.config import ConfigFields, HFConfig, ModelConfig
 from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.multimodal.inputs import MultiModalFeature, ProcessedPrompt, expand_placeholders
 from kvforge.multimodal.media import image_hash
+from kvforge.plugins.models.image_processing import checkpoint_image_processor
 from kvforge.plugins.models.llama import LlamaForCausalLM
 
 _ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
@@ -168,13 +169,11 @@ class LlavaProcessor:
 
 
 def _image_processor(model_dir: str | None, size: int) -> Any:
-    import os
+    def clip() -> Any:
+        from transformers import CLIPImageProcessor
 
-    from transformers import AutoImageProcessor, CLIPImageProcessor
-
-    if model_dir is not None and os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
-        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-    return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    return checkpoint_image_processor(model_dir, clip)
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):

@@ -10,7 +10,6 @@ depends on its size; the processor computes it as the model packs it (:func:`unp
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -21,6 +20,7 @@ from kvforge.model.config import ConfigFields, HFConfig, ModelConfig
 from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.multimodal.inputs import MultiModalFeature, ProcessedPrompt, expand_placeholders
 from kvforge.multimodal.media import image_hash
+from kvforge.plugins.models.image_processing import checkpoint_image_processor, image_processor_class
 from kvforge.plugins.models.llava import LlavaForConditionalGeneration
 
 
@@ -104,18 +104,10 @@ class LlavaNextProcessor:
 
 
 def _image_processor(model_dir: str | None, layout: LlavaNextLayout) -> Any:
-    from transformers import AutoImageProcessor
-
-    if model_dir is not None and os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
-        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-    try:  # (transformers >= 5.20 without torchvision: the PIL processor)
-        from transformers.models.llava_next.image_processing_pil_llava_next import (
-            LlavaNextImageProcessorPil as ImageProcessor,
-        )
-    except ImportError:
-        from transformers import LlavaNextImageProcessor as ImageProcessor  # type: ignore[assignment]
-    return ImageProcessor(size={"shortest_edge": layout.tile}, crop_size={"height": layout.tile, "width": layout.tile},
-                          image_grid_pinpoints=layout.pinpoints)
+    size = layout.tile
+    return checkpoint_image_processor(model_dir, lambda: image_processor_class("llava_next", "LlavaNextImageProcessor")(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+        image_grid_pinpoints=layout.pinpoints))
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):

@@ -27,6 +27,7 @@ from kvforge.model.config import ConfigFields, HFConfig, ModelConfig
 from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.multimodal.inputs import MultiModalFeature, ProcessedPrompt, expand_placeholders
 from kvforge.multimodal.media import image_hash
+from kvforge.plugins.models.image_processing import checkpoint_image_processor, image_processor_class
 from kvforge.plugins.models.llama import LlamaForCausalLM, LlamaModel, RotaryEmbedding, require_silu
 from kvforge.plugins.models.llava import _act
 
@@ -285,20 +286,9 @@ class Qwen2VLProcessor:
 
 
 def _image_processor(model_dir: str | None, vc: Mapping[str, Any]) -> Any:
-    import os
-
-    from transformers import AutoImageProcessor
-
-    if model_dir is not None and os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
-        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-    try:  # (transformers >= 5.20 without torchvision: the PIL processor)
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil as ImageProcessor,
-        )
-    except ImportError:
-        from transformers import Qwen2VLImageProcessor as ImageProcessor  # type: ignore[assignment]
-    return ImageProcessor(patch_size=vc.get("patch_size", 14), merge_size=vc.get("spatial_merge_size", 2),
-                          temporal_patch_size=vc.get("temporal_patch_size", 2))
+    return checkpoint_image_processor(model_dir, lambda: image_processor_class("qwen2_vl", "Qwen2VLImageProcessor")(
+        patch_size=vc.get("patch_size", 14), merge_size=vc.get("spatial_merge_size", 2),
+        temporal_patch_size=vc.get("temporal_patch_size", 2)))
 
 
 # -- the model --------------------------------------------------------------------------------------
