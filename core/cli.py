@@ -26,6 +26,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-connector", dict(default=None, help="the tier of those blocks, a kv_connector plugin (cpu)")),
     ("--max-num-seqs", dict(type=int, default=None)),
     ("--max-num-batched-tokens", dict(type=int, default=None)),
+    ("--max-piecewise-graph-tokens", dict(type=int, default=None,
+                                          help="largest step with prompt tokens replayed as piecewise CUDA graphs "
+                                               "(default 2048 on one rank without LoRA; 0: off)")),
     ("--max-logprobs", dict(type=int, default=None, help="most logprobs / prompt_logprobs a request may ask for (20)")),
     ("--max-n", dict(type=int, default=None, help="most samples (n) one request may ask for (128)")),
     ("--grammar-compile-timeout", dict(type=float, default=None,

@@ -66,7 +66,13 @@ class EngineConfig:
         whose constraint takes longer fails alone (HTTP 400), and the same constraint fails at once later.
     grammar_cache_size: compiled structured-output constraints kept for reuse (least recently used go).
     enforce_eager: never use CUDA graphs (by default decode-only steps replay graphs captured at
-        batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, when the attention backend allows).
+        batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, when the attention backend allows,
+        and mixed steps replay piecewise graphs: see ``max_piecewise_graph_tokens``).
+    max_piecewise_graph_tokens: the largest step carrying prompt tokens that replays piecewise CUDA
+        graphs (everything but attention captured per token bucket, attention eager between the pieces;
+        docs/model_runner.md); larger steps run eagerly. None (the default): 2048 (at most
+        ``max_num_batched_tokens``) for one rank without LoRA, else 0; 0: off. Pipeline stages and
+        LoRA keep mixed steps eager whatever it says.
     async_scheduling: schedule and lay out the next step while the GPU runs the current one (the
         next step's tokens come from the device). None (the default): on for CUDA, off on the CPU,
         where torch runs every op in the calling thread and nothing could overlap; True forces it
@@ -125,6 +131,7 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     grammar_cache_size: int = 256
     enforce_eager: bool = False
+    max_piecewise_graph_tokens: int | None = None
     async_scheduling: bool | None = None
     attention_backend: str = "auto"
     scheduler: str = "fcfs"
@@ -158,6 +165,9 @@ class EngineConfig:
                      "max_lora_rank"):
             positive_int(name)
         positive_int("max_cpu_loras", allow_none=True)
+        pw = self.max_piecewise_graph_tokens
+        if pw is not None and (not isinstance(pw, int) or isinstance(pw, bool) or pw < 0):
+            raise ValueError(f"max_piecewise_graph_tokens must be an integer >= 0 (0: off), got {pw!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         limits = self.limit_mm_per_prompt
@@ -252,6 +262,17 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(valid - {'plugins'})}")
         return cls(**values, plugins=plugins)
 
+    def piecewise_graph_tokens(self) -> int:
+        """The largest mixed step that replays piecewise graphs (``max_piecewise_graph_tokens``
+        resolved: its default for one rank without LoRA, never more than a step's budget; 0: none)."""
+        pw = self.max_piecewise_graph_tokens
+        if pw is None:
+            one_rank = self.tensor_parallel_size * self.pipeline_parallel_size == 1
+            pw = PIECEWISE_DEFAULT_TOKENS if one_rank and not self.enable_lora else 0
+        if self.pipeline_parallel_size > 1 or self.enable_lora:
+            return 0
+        return min(pw, self.max_num_batched_tokens)
+
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
@@ -261,6 +282,8 @@ class EngineConfig:
 #: and 16,384 tokens a step, so that a large offline batch of mixed lengths stays in flight whole and its
 #: prompts are taken in half as many steps. Smaller GPUs, the CPU and the server keep the dataclass's
 #: 256 and 8,192 (vLLM's server uses 8,192 tokens on these GPUs too).
+#: ``max_piecewise_graph_tokens``'s default (a NOTE in ``kvforge.rank.piecewise_graphs`` says why)
+PIECEWISE_DEFAULT_TOKENS = 2048
 LARGE_GPU_OFFLINE = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384}
 LARGE_GPU_BYTES = 70 * 2**30
 

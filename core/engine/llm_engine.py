@@ -145,12 +145,14 @@ class LLMEngine:
         if wanted and not self.async_scheduling:
             logger.info("async scheduling off: attention backend %s plans on the host per step", attn_name)
         self.cuda_graph_capture_s = None
-        if (self.device.type == "cuda" and not config.enforce_eager
-                and attn_cls.capabilities.supports_cuda_graphs):
+        decode_graphs = attn_cls.capabilities.supports_cuda_graphs
+        piecewise_tokens = config.piecewise_graph_tokens()  # (attention runs eagerly: any backend)
+        if self.device.type == "cuda" and not config.enforce_eager and (decode_graphs or piecewise_tokens):
             graph_qs = attn_cls.capabilities.cuda_graph_query_lens
             spec_q = tuple(q for q in ((1 + self.spec.k,) if self.spec is not None else ())
                            if graph_qs is None or q in graph_qs)
-            self.cuda_graph_capture_s = max(executor.call(CaptureCudaGraphs(config.max_num_seqs, max_len, spec_q)))
+            self.cuda_graph_capture_s = max(executor.call(
+                CaptureCudaGraphs(config.max_num_seqs, max_len, spec_q, decode_graphs, piecewise_tokens)))
         num_cpu_blocks = min(executor.call(InitializeSwapSpace(config.swap_space)))
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,

@@ -94,9 +94,12 @@ class CaptureCudaGraphs(RankCall[float]):
     max_num_seqs: int
     max_model_len: int
     query_lens: tuple[int, ...] = (1,)
+    decode: bool = True  # uniform steps' graphs (the attention backend supports them)
+    piecewise_tokens: int = 0  # mixed steps' piecewise graphs up to this many tokens (0: none)
 
     def apply(self, worker: Worker) -> float:
-        return worker.capture_cuda_graphs(self.max_num_seqs, self.max_model_len, self.query_lens)
+        return worker.capture_cuda_graphs(self.max_num_seqs, self.max_model_len, self.query_lens,
+                                          self.decode, self.piecewise_tokens)
 
 
 @dataclass(frozen=True, slots=True)

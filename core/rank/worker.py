@@ -15,6 +15,7 @@ every rank (``Executor.collective_rpc``), by name.
 from __future__ import annotations
 
 import gc
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
@@ -32,6 +33,7 @@ from kvforge.rank.input_buffers import HostInputs, StepBuffers
 from kvforge.rank.memory_budget import MemoryBaseline
 from kvforge.rank.model_build import RankModel, build_model, hidden_states, quantization_method
 from kvforge.rank.parallel_state import init_world
+from kvforge.rank.piecewise_graphs import PiecewiseGraphs, PiecewiseUnsafe
 from kvforge.rank.profiler import RankProfiler
 from kvforge.rank.prompt_logits import prompt_logits, prompt_logprobs_rows
 from kvforge.rank.stage_forward import driver_tokens, fill_placeholders, stage_forward, stage_replay
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from kvforge.lora.request import LoRARequest
     from kvforge.lora.slots import LoRAManager
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 RELEASED = "it was released: it holds no model"
 NO_BUFFERS = "no step buffers (initialize_cache was not called, or the rank was released)"
@@ -84,6 +87,7 @@ class Worker:
         self.block_size = self.attn.block_size
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CUDAGraphRunner | None = None  # once captured
+        self.piecewise: PiecewiseGraphs | None = None  # mixed steps' graphs, once captured
         self.swap_space: CPUSwapSpace | None = None
         self.kv_tier: Any = None  # a KV connector's store of prefix-cached blocks (initialize_kv_tier)
         self.buffers: StepBuffers | None = None  # once the cache is initialized
@@ -119,8 +123,8 @@ class Worker:
         if self.closed:
             return
         self.closed = True
-        if self.graphs is not None and self.groups.world.size > 1:
-            self.graphs = None
+        if (self.graphs is not None or self.piecewise is not None) and self.groups.world.size > 1:
+            self.graphs = self.piecewise = None
             if self.device.type == "cuda":
                 gc.collect()  # a graph held in a reference cycle is destroyed only by a collection
         self.left_groups = self.groups.leave(self.device)
@@ -132,7 +136,7 @@ class Worker:
         Idempotent; the worker cannot run afterwards."""
         self.close()
         # NOTE: the graphs first: they hold the model and the KV cache, and their pool holds activations
-        self.graphs = None
+        self.graphs = self.piecewise = None
         self.kv_caches = []
         self.encoder_cache = {}
         self.model = self.lora = self.swap_space = self.kv_tier = self.buffers = None
@@ -217,15 +221,32 @@ class Worker:
         max_blocks = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> float:
-        """Capture graphs of uniform steps (decode, and verification of ``query_lens`` tokens per
-        sequence); returns the seconds. Every rank captures the same graphs in the same order."""
-        self.graphs = CUDAGraphRunner(_held(self.model, self.rank, RELEASED), self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len, device=self.device, query_lens=query_lens,
-                                      verify_head=True,
-                                      before_capture=self.lora.capture_batch if self.lora is not None else None,
-                                      stage=self.stage, hidden_size=self.hidden_size, dtype=self.dtype)
-        return self.graphs.capture()
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
+                            decode: bool = True, piecewise_tokens: int = 0) -> float:
+        """Capture graphs of uniform steps (``decode``: decode, and verification of ``query_lens`` tokens
+        per sequence), then piecewise graphs of mixed steps up to ``piecewise_tokens`` tokens (0: none;
+        ``kvforge.rank.piecewise_graphs``); returns the seconds. Every rank captures the same graphs in
+        the same order."""
+        model = _held(self.model, self.rank, RELEASED)
+        elapsed = 0.0
+        if decode:
+            self.graphs = CUDAGraphRunner(model, self.attn, self.kv_caches, max_num_seqs=max_num_seqs,
+                                          max_model_len=max_model_len, device=self.device, query_lens=query_lens,
+                                          verify_head=True,
+                                          before_capture=self.lora.capture_batch if self.lora is not None else None,
+                                          stage=self.stage, hidden_size=self.hidden_size, dtype=self.dtype)
+            elapsed += self.graphs.capture()
+        if piecewise_tokens > 0 and self.stage.size == 1 and self.lora is None:
+            stream = self.graphs.stream if self.graphs is not None else torch.cuda.Stream(device=self.device)
+            pool = self.graphs.pool if self.graphs is not None else None
+            piecewise = PiecewiseGraphs(model, self.attn, self.kv_caches, max_tokens=piecewise_tokens,
+                                        max_model_len=max_model_len, device=self.device, stream=stream, pool=pool)
+            try:
+                elapsed += piecewise.capture()
+                self.piecewise = piecewise
+            except PiecewiseUnsafe as exc:  # the model reads attention metadata itself: mixed steps stay eager
+                logger.info("mixed steps run eagerly: %s", exc)
+        return elapsed
 
     def initialize_swap_space(self, swap_space_gib: float) -> int:
         """Size the CPU swap pool (allocated on its first use); returns its number of blocks."""
@@ -278,6 +299,7 @@ class Worker:
             return None
         model = _held(self.model, self.rank, RELEASED)
         graphs = _held(self.graphs, self.rank, "a graph step, but no graphs") if step.graph_key is not None else None
+        piecewise = self._piecewise_for(step)
         self.attn.copy_blocks(self.kv_caches, step.blocks_to_copy)
         buf, layout = self._lay_out_step(step, graphs)
         if step.rope_offsets is not None:  # M-RoPE: text after images rotates behind its 1-D position
@@ -287,11 +309,16 @@ class Worker:
         num_rows = layout.num_tokens  # with graph padding
         if self.lora is not None:
             self.lora.prepare(step.lora_ids, step.query_lens, num_rows, graph=graphs is not None)
-        ids_dev, pos_dev = self._device_inputs(step, buf, num_rows, graphs, prev_tokens)
+        static = ((graphs.input_ids, graphs.positions) if graphs is not None else
+                  (piecewise.input_ids, piecewise.positions) if piecewise is not None else None)
+        ids_dev, pos_dev = self._device_inputs(step, buf, num_rows, static, prev_tokens)
         if step.mrope_positions is not None:  # a step with image rows (eager): [3, T] M-RoPE positions
             pos_dev = torch.from_numpy(step.mrope_positions).to(self.device)
         embeds = self._merged_embeddings(model, step, ids_dev) if step.mm_places is not None else None
-        hidden, head = self._forward(model, step, layout, graphs, ids_dev, pos_dev, embeds)
+        if piecewise is not None:  # a mixed step: its pieces replayed, attention eager between them
+            hidden, head = piecewise.replay(step.num_tokens, self.attn.build_metadata(layout)), None
+        else:
+            hidden, head = self._forward(model, step, layout, graphs, ids_dev, pos_dev, embeds)
         if hidden is None:  # not the last stage: its part is done
             return None
         if step.prompt_rows is not None:
@@ -310,11 +337,22 @@ class Worker:
                             block_size=self.block_size, graph_width=graphs.max_blocks if graphs is not None else None,
                             null_blocks=self.sliding_window_kv)
 
-    def _device_inputs(self, step: StepInput, buf: HostInputs, num_rows: int, graphs: CUDAGraphRunner | None,
+    def _piecewise_for(self, step: StepInput) -> PiecewiseGraphs | None:
+        """The piecewise graphs that run this step, or None: a uniform step (full graphs), a step with
+        image rows (embeddings, M-RoPE or two-way spans: eager), or one larger than the largest bucket."""
+        pw = self.piecewise
+        if (pw is None or step.graph_key is not None or step.mm_places is not None
+                or step.mrope_positions is not None or step.lookahead is not None):
+            return None
+        return pw if pw.bucket(step.num_tokens) is not None else None
+
+    def _device_inputs(self, step: StepInput, buf: HostInputs, num_rows: int,
+                       static: tuple[torch.Tensor, torch.Tensor] | None,
                        prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's token ids and positions on the device (a graph's static inputs for a graph step),
-        copied from the pinned staging set; placeholders take the step in flight's sampled tokens."""
-        static = (graphs.input_ids[:num_rows], graphs.positions[:num_rows]) if graphs is not None else None
+        """The step's token ids and positions on the device (in ``static``, a graph's input buffers, for a
+        graph step), copied from the pinned staging set; placeholders take the step in flight's sampled tokens."""
+        if static is not None:
+            static = (static[0][:num_rows], static[1][:num_rows])
         ids, pos = _held(self.buffers, self.rank, NO_BUFFERS).to_device(buf, num_rows, static)
         if step.fill_dst is not None:  # placeholders: the previous step's sampled tokens, on the device
             fill_placeholders(ids, buf, len(step.fill_dst), driver_tokens(self.groups, step.num_prev_tokens,

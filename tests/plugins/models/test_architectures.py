@@ -4,10 +4,14 @@ prefix caching, chunked prefill and preemption all happening, and prompts longer
 the sliding-window models."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvforge import LLM, SamplingParams
+from kvforge.rank.cuda_graphs import uniform_layout
+from kvforge.rank.model_build import hidden_states
+from kvforge.rank.piecewise_graphs import PiecewiseUnsafe, cut_forward
 from model_architectures import CONFIGS, VOCAB, WINDOW, build
 
 MAX_TOKENS = 20
@@ -65,6 +69,38 @@ def test_greedy_tokens_equal_transformers_with_caching_chunking_and_preemption(a
     again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == refs[:2]
     check_no_blocks(llm.llm_engine)
+
+
+@torch.inference_mode()
+def test_the_forward_cut_at_attention_gives_the_eager_hidden_states_unless_it_reads_metadata(arch):
+    # What piecewise CUDA graphs capture (kvforge.rank.piecewise_graphs): the forward with every attention
+    # call handed out and the metadata sealed. Each family's cut forward must compute exactly the eager
+    # hidden states with one cut per layer; LongRoPE reads the sequence lengths to pick its table, so its
+    # cut must refuse (and its mixed steps stay eager) rather than bake one step's lengths into a graph.
+    test_id, path, _ = arch
+    llm = LLM(model=path, device="cpu", dtype="float32", block_size=16, num_gpu_blocks_override=8)
+    worker = llm.llm_engine.runner.worker
+    model, attn, caches = worker.model, worker.attn, worker.kv_caches
+    T = len(PROMPTS[4])  # 70 tokens: past the sliding windows
+    ids, pos = torch.tensor(PROMPTS[4]), torch.arange(T)
+    layout = uniform_layout(1, T, 8, seq_lens=np.array([T], dtype=np.int32),
+                            block_tables=np.arange(8, dtype=np.int32)[None], slots=np.arange(T, dtype=np.int64))
+    meta = attn.build_metadata(layout)
+    eager = hidden_states(model(ids, pos, caches, meta)).clone()
+    layers = []
+
+    def attend(q, k, v, cache, layer):
+        layers.append(layer)
+        return type(attn).forward(attn, q, k, v, cache, meta, layer)
+
+    if test_id.startswith("phi"):
+        with pytest.raises(PiecewiseUnsafe, match="query_start_loc|seq_lens"):
+            cut_forward(model, attn, caches, ids, pos, attend)
+    else:
+        assert torch.equal(cut_forward(model, attn, caches, ids, pos, attend), eager)
+        assert len(layers) == worker.num_layers
+        assert len({id(c) for c in caches}) == len(caches)
+    assert "forward" not in vars(attn)  # the backend's own forward again
 
 
 @pytest.mark.parametrize("test_id,parallel", [
