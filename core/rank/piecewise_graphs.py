@@ -36,7 +36,6 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvforge.attention import PLAIN_LAYER, AttentionBackend, AttentionLayer, AttentionMetadata
-from kvforge.rank.cuda_graphs import uniform_layout
 from kvforge.rank.model_build import RankModel, hidden_states
 
 logger = logging.getLogger(__name__)
@@ -132,13 +131,12 @@ class PiecewiseGraphs:
     """Captures and replays the piecewise graphs of every bucket (one rank, one pipeline stage)."""
 
     def __init__(self, model: RankModel, attn: AttentionBackend, kv_caches: list[torch.Tensor], *,
-                 max_tokens: int, max_model_len: int, device: torch.device, stream: torch.cuda.Stream,
+                 max_tokens: int, device: torch.device, stream: torch.cuda.Stream,
                  pool: Any = None):
         """``pool``: the memory pool to share (the decode graphs'), or None for a new one."""
         self.model, self.attn, self.kv_caches = model, attn, kv_caches
         self.device, self.stream, self.pool = device, stream, pool
         self.sizes = piecewise_sizes(max_tokens)
-        self.max_blocks = -(-max_model_len // attn.block_size)
         top = self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
@@ -169,9 +167,16 @@ class PiecewiseGraphs:
 
     def _capture_one(self, size: int) -> PiecewiseGraph:
         ids, pos = self.input_ids[:size], self.positions[:size]
-        warm = self.attn.build_metadata(uniform_layout(size, 1, self.max_blocks))  # slot -1: writes nothing
-        for _ in range(2):  # warm up: Triton compiles for this size, lazy allocations happen outside
-            hidden_states(self.model(ids, pos, self.kv_caches, warm))
+
+        def skip(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 layer: AttentionLayer) -> torch.Tensor:
+            return self._out_buffer(q.shape[1:-1] + v.shape[-1:], q.dtype)[:size]
+
+        # warm up what the pieces run (Triton compiles for this size, lazy allocations happen outside the
+        # capture), attention left out: it runs eagerly at replay, and no cache is written. A model that
+        # reads the metadata is refused here, before any capture began.
+        for _ in range(2):
+            cut_forward(self.model, self.attn, self.kv_caches, ids, pos, skip)
         torch.cuda.synchronize(self.device)
         pieces: list[torch.cuda.CUDAGraph] = [torch.cuda.CUDAGraph()]
         calls: list[AttentionCall] = []

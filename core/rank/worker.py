@@ -240,7 +240,7 @@ class Worker:
             stream = self.graphs.stream if self.graphs is not None else torch.cuda.Stream(device=self.device)
             pool = self.graphs.pool if self.graphs is not None else None
             piecewise = PiecewiseGraphs(model, self.attn, self.kv_caches, max_tokens=piecewise_tokens,
-                                        max_model_len=max_model_len, device=self.device, stream=stream, pool=pool)
+                                        device=self.device, stream=stream, pool=pool)
             try:
                 elapsed += piecewise.capture()
                 self.piecewise = piecewise
