@@ -39,6 +39,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--vs", action="append", default=[], choices=["vllm"],
                      help="then start `vllm serve` on the same port with the same model and drive it with the "
                           "same load (implies --server-process)")
+    sw = srv.add_argument_group("sweep (docs/benchmarks.md: the serving sweep)")
+    sw.add_argument("--request-rates", type=_list_of(float, "--request-rates"), default=None, metavar="R,R,...",
+                    help="sweep these Poisson rates (req/s, inf allowed) instead of --request-rate")
+    sw.add_argument("--concurrencies", type=_list_of(int, "--concurrencies"), default=None, metavar="C,C,...",
+                    help="sweep these most-in-flight limits instead of --max-concurrency (every rate with every one)")
+    sw.add_argument("--runs", type=int, default=None,
+                    help="runs of every point, each on requests of its own (default: 3 in a sweep, else 1)")
+    sw.add_argument("--client", type=_list_of(str, "--client"), default=None, metavar="kvforge,vllm",
+                    help="who sends the load: kvforge's own client, `vllm bench serve` (vLLM's own, in vLLM's "
+                         "interpreter), or both (default: both with --vs vllm, else kvforge)")
 
 
 def _add(sub: argparse._SubParsersAction, name: str, help: str, func: Callable) -> argparse.ArgumentParser:
@@ -67,11 +77,28 @@ def _add(sub: argparse._SubParsersAction, name: str, help: str, func: Callable) 
     o.add_argument("--json", default=None, metavar="FILE", help="write every number (args, device, rows) here")
     o.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart (needs matplotlib)")
     o.add_argument("--bandwidth", type=float, default=None,
-                   help="measured copy bandwidth, bytes/s, for the roofline (CUDA default: the H200's 4.25e12)")
+                   help="copy bandwidth, bytes/s, for the roofline (CUDA default: this GPU's from the table in "
+                        "kvforge.bench.ceilings, else measured)")
     o.add_argument("--flops", type=float, default=None,
-                   help="measured matmul rate, FLOP/s, for the roofline (CUDA default: the H200's 779e12)")
+                   help="bf16 matmul rate, FLOP/s, for the roofline (CUDA default: as --bandwidth)")
+    o.add_argument("--measure-ceilings", action="store_true",
+                   help="measure the ceilings --bandwidth and --flops leave open on this GPU (a copy of 1 GiB, a "
+                        "bf16 8192^3 matmul) instead of taking them from the table")
     p.set_defaults(func=func)
     return p
+
+
+def _list_of(kind: Callable[[str], object], flag: str) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of ``kind``, refused (exit status 2) naming ``flag``."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{flag}: expected at least one value, got {text!r}")
+        return values
+    return parse
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -16,19 +16,19 @@ import time
 import torch
 
 from kvforge.bench import report
+from kvforge.bench.ceilings import for_device
 from kvforge.bench.metrics import (
     Precision,
     decode_step_floor_s,
     engine_precision,
     kv_bytes_per_token,
     percentile,
-    resolve_ceilings,
     step_weight_bytes,
 )
 from kvforge.bench.peers import sync
 from kvforge.bench.spec_stats import describe as describe_spec
 from kvforge.bench.spec_stats import spec_delta
-from kvforge.bench.throughput import build_llm, device_name, finish, workload_for
+from kvforge.bench.throughput import build_llm, device_name, engine_config, finish, workload_for
 from kvforge.bench.workloads import BenchRequest, check_fits
 
 
@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: must be >= {least}, got {value}")
     warm_n, timed_n = args.num_iters_warmup, args.num_iters
     peer, vllm = vllm_peer(args), None
+    ceilings = for_device(args, engine_config(args).torch_device)  # measured (if at all) on an idle GPU
+    bandwidth, flops = ceilings.bandwidth, ceilings.flops
     if peer is not None:  # first, on a device nothing else holds yet
         import tempfile
 
@@ -107,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
 
     workload = timed[0]
     longest = max(r.output_len for r in workload)
-    bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
     itemsize = engine_precision(engine.config, mc, torch.empty((), dtype=dtype).element_size())
     rows = [latency_row(f"kvforge ({engine.attn_backend_name})", latencies, prefills, workload, mc, itemsize,
                         bandwidth, flops) | {"load_seconds": load_s, "spec_decode": spec}]
@@ -124,14 +125,13 @@ def run(args: argparse.Namespace) -> int:
     dev = device_name(device)
     lens = f"{sum(r.input_len for r in workload) // len(workload)} prompt x {longest} output tokens"
     print(f"\n{engine.source.name} on {dev}: batch of {args.batch_size} ({args.dataset}, {lens}), "
-          f"{args.num_iters} iterations after {args.num_iters_warmup} warm-up; "
-          + (f"floor at {bandwidth / 1e12:.2f} TB/s and {flops / 1e12:.3g} TFLOP/s" if bandwidth and flops
-             else "floor n/a on CPU (give --bandwidth and --flops)"))
+          f"{args.num_iters} iterations after {args.num_iters_warmup} warm-up; the floor on the roofline")
+    print(ceilings.describe())
     print(report.format_table(rows, report.LATENCY_COLUMNS))
     if spec:
         print(describe_spec(spec))
     finish(args, "latency", dev, str(dtype).removeprefix("torch."), mc, workload, rows,
-           {"bandwidth": bandwidth, "flops": flops})
+           {"bandwidth": bandwidth, "flops": flops, "ceilings": ceilings.as_dict()})
     if args.plot:
         report.write_plot(args.plot, rows, "latency_p50_s", "batch latency p50 (s)",
                           f"{engine.source.name} on {dev}: batch {args.batch_size}, {lens}")

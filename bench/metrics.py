@@ -283,12 +283,3 @@ def roofline_tok_s(mc: Any, workload: list[BenchRequest], max_num_seqs: int, ite
                    bandwidth: float, flops: float) -> float:
     """Output tokens/s at the roofline (see :func:`roofline`)."""
     return roofline(mc, workload, max_num_seqs, itemsize, bandwidth, flops).tok_s
-
-
-def resolve_ceilings(bandwidth: float | None, flops: float | None,
-                     device_type: str) -> tuple[float | None, float | None]:
-    """The (bandwidth, flops) to use: given values win; on CUDA the H200's measured ceilings fill in
-    what is missing; on CPU only explicitly given values count (else None: no roofline)."""
-    if device_type == "cuda":
-        return bandwidth or H200_BANDWIDTH, flops or H200_FLOPS
-    return bandwidth, flops

@@ -50,12 +50,39 @@ THROUGHPUT_COLUMNS: list[Column] = [
 ]
 
 SERVE_COLUMNS: list[Column] = [
-    ("engine", 30, lambda r: str(r["engine"])), ("seconds", 9, num("seconds")),
+    ("engine", 30, lambda r: str(r["engine"])), ("client", 9, lambda r: str(r.get("client", "kvforge"))),
+    ("seconds", 9, num("seconds")),
     ("ok/failed", 10, lambda r: f"{r.get('completed', 0)}/{r.get('failed', 0)}"),
     ("output tok/s", 13, num("output_tok_s", "{:,.0f}")), ("req/s", 9, num("req_s")),
     ("TTFT ms p50/p99", 17, pair("ttft_ms")), ("TPOT ms p50/p99", 17, pair("tpot_ms")),
     ("ITL ms p50/p99", 17, pair("itl_ms")), ("E2E ms p50/p99", 19, pair("e2e_ms")),
     ("cold start s", 13, num("cold_start_s")), ("of roofline", 12, fraction("roofline_frac")),
+]
+
+
+def spread(key: str, fmt: str = "{:.1f}") -> Callable[[dict], str]:
+    """``median [min-max]`` over a sweep point's runs (``kvforge.bench.sweep.spread``)."""
+    def cell(row: dict) -> str:
+        s = row.get(key)
+        if not s:
+            return "n/a"
+        return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+    return cell
+
+
+def rate(row: dict) -> str:
+    r = row.get("request_rate")
+    return "inf" if r is None or math.isinf(r) else f"{r:g}"
+
+
+#: one row per (server, client, rate, concurrency) of ``bench serve``'s sweep: medians [spread] over runs
+SWEEP_COLUMNS: list[Column] = [
+    ("engine", 28, lambda r: str(r["engine"])), ("client", 8, lambda r: str(r["client"])),
+    ("rate", 7, rate), ("conc", 6, lambda r: str(r["max_concurrency"] or "-")),
+    ("runs", 6, lambda r: f"{r['runs_ok']}/{r['runs']}"), ("failed", 7, lambda r: str(r["failed"])),
+    ("TTFT p50 ms", 22, spread("ttft_p50_ms")), ("TTFT p99 ms", 22, spread("ttft_p99_ms")),
+    ("TPOT p50 ms", 20, spread("tpot_p50_ms", "{:.2f}")), ("ITL p50 ms", 20, spread("itl_p50_ms", "{:.2f}")),
+    ("output tok/s", 24, spread("output_tok_s", "{:,.0f}")),
 ]
 
 LATENCY_COLUMNS: list[Column] = [
@@ -75,7 +102,8 @@ def format_table(rows: list[dict], columns: list[Column]) -> str:
         lines.append("".join(c.ljust(w) if i == 0 else c.rjust(w)
                              for i, (c, (_, w, _)) in enumerate(zip(cells, columns))))
         if row.get("error"):
-            lines.append(f"    {row['engine']}: {row['error']}")
+            client = f", {row['client']} client" if row.get("client") else ""
+            lines.append(f"    {row['engine']}{client}: {row['error']}")
     return "\n".join(lines)
 
 

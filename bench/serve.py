@@ -1,15 +1,15 @@
 """``kvforge bench serve``: streaming ``/v1/completions`` load against the OpenAI-compatible server.
 
-The server is started in this process (``create_app`` under uvicorn on a background thread, on a free
-loopback port), as a ``kvforge serve`` subprocess (``--server-process``), or not at all
-(``--base-url``, any OpenAI-compatible server). Cold start is engine construction (in-process) or
-process start (subprocess) until ``/health`` answers 200. With ``--vs vllm`` kvforge runs as a
-subprocess on a free port, then ``vllm serve`` of the same model on the same port, each driven by
-the same load in turn (``vllm_server``).
+The server (bench/servers.py) is started in this process (``create_app`` under uvicorn on a background
+thread, on a free loopback port), as a ``kvforge serve`` subprocess (``--server-process``), or not at all
+(``--base-url``, any OpenAI-compatible server). With ``--vs vllm`` kvforge runs as a subprocess on a free
+port, then ``vllm serve`` of the same model on the same port, each driven by the same loads in turn.
+Which loads (rates, concurrencies, runs, clients) is bench/sweep.py's plan; a load is sent by kvforge's
+own client (here) or by ``vllm bench serve`` (bench/vllm_client.py).
 
-Each request sends its prompt as token ids with ``ignore_eos: true``, ``max_tokens`` = its output
-length, ``temperature: 0`` and ``stream_options.include_usage``. Arrivals are Poisson at
-``--request-rate`` req/s (seeded; ``inf`` sends all at once), at most ``--max-concurrency`` in flight.
+kvforge's client sends each prompt as token ids with ``ignore_eos: true``, ``max_tokens`` = its output
+length, ``temperature: 0`` and ``stream_options.include_usage``. Arrivals are Poisson at the run's rate
+(seeded by the run's seed; ``inf`` sends all at once), at most the run's concurrency in flight.
 Per request: TTFT = first content chunk - send; ITL = gaps between content chunks; TPOT = (last chunk
 - first chunk) / (tokens - 1); E2E = end of stream - send. A request fails on a non-200 answer, a
 transport error, or a completion_tokens count other than its output length.
@@ -20,23 +20,29 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
-from kvforge.bench import report
-from kvforge.bench.metrics import engine_precision, resolve_ceilings, roofline_tok_s, summarize
+from kvforge.bench import report, vllm_client
+from kvforge.bench.ceilings import for_device
+from kvforge.bench.metrics import engine_precision, roofline_tok_s, summarize
+from kvforge.bench.servers import (
+    ExternalServer,
+    InProcessServer,
+    ProcessServer,
+    free_port,
+    kvforge_server,
+    vllm_server,
+)
 from kvforge.bench.spec_stats import describe as describe_spec
 from kvforge.bench.spec_stats import from_metrics, spec_delta
+from kvforge.bench.sweep import Plan, aggregate, plan_of
 from kvforge.bench.throughput import derive, device_name, finish, workload_for
 from kvforge.bench.workloads import BenchRequest, check_fits, make_workload
 
@@ -49,147 +55,6 @@ class Result:
     chunks: list[float] = field(default_factory=list)  # perf_counter of each chunk with choices
     end: float = 0.0
     output_tokens: int = 0
-
-
-# -- servers ------------------------------------------------------------------------------------------
-def wait_healthy(url: str, timeout: float, alive: Any = lambda: True) -> None:
-    """Poll ``url``/health until it answers 200. One client for the whole wait: ``httpx.get`` builds a
-    client (and an SSL context) per call, about 20 ms of CPU, which at this rate took a third of a core
-    from the server starting on a small machine. No keep-alive: each poll on its own connection."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        while time.monotonic() < deadline:
-            if not alive():
-                raise RuntimeError("the server exited before /health answered 200")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-    raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
-
-
-class InProcessServer:
-    """The app under uvicorn on a daemon thread of this process (the engine thread is its own)."""
-
-    label = "kvforge serve (in-process)"
-
-    def __init__(self, config: Any, timeout: float):
-        import uvicorn
-
-        from kvforge.engine.async_engine import AsyncLLMEngine
-        from kvforge.plugin_manager import get_plugin_manager
-        from kvforge.server.app import create_app
-        from kvforge.server.cli import default_served_name
-
-        t0 = time.perf_counter()
-        self.engine = AsyncLLMEngine.from_config(config)
-        app = create_app(self.engine, [default_served_name(config.model)], hook=get_plugin_manager().hook)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))  # the OS picks a free port; uvicorn serves this very socket
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       name="kvforge-bench-server", daemon=True)
-        self.thread.start()
-        wait_healthy(self.url, timeout, self.thread.is_alive)
-        self.cold_start_s = time.perf_counter() - t0
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ProcessServer:
-    """A server command as a subprocess on loopback ``port``, its output in a log file; cold start is
-    process start until ``/health`` answers 200."""
-
-    def __init__(self, cmd: list[str], port: int, timeout: float, label: str, env: dict | None = None):
-        self.label = label
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvforge-bench-serve-", suffix=".log", delete=False)
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        try:
-            wait_healthy(self.url, timeout, lambda: self.proc.poll() is None)
-        except RuntimeError as exc:
-            tail = self.output()[-3000:]
-            self.stop()
-            raise RuntimeError(f"{exc}; server log ({self.log.name}):\n{tail}") from None
-        self.cold_start_s = time.perf_counter() - t0
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name, errors="replace") as f:  # read before stop() closes our handle
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def kvforge_server(args: argparse.Namespace, port: int, timeout: float) -> ProcessServer:
-    """``python -m kvforge.cli serve`` with the same engine flags."""
-    cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--port", str(port), *engine_argv(args)]
-    return ProcessServer(cmd, port, timeout, "kvforge serve (process)")
-
-
-def vllm_server(peer: Any, config: Any, source: Any, mc: Any, seed: int, port: int, timeout: float,
-                workdir: str) -> ProcessServer:
-    """``vllm serve`` of the same model (random weights where kvforge's are), served under kvforge's
-    model name, vLLM's defaults otherwise; without a tokenizer it is told to skip loading one."""
-    from kvforge.bench.vllm_peer import llm_kwargs
-    from kvforge.model.tokenizer_source import tokenizer_for
-    from kvforge.server.cli import default_served_name
-
-    kwargs = llm_kwargs(source, mc, config.torch_dtype, seed, workdir, config)
-    cmd = [peer.python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
-           "serve", kwargs["model"], "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"],
-           "--seed", str(kwargs["seed"]), "--served-model-name", default_served_name(config.model)]
-    if kwargs.get("load_format"):
-        cmd += ["--load-format", kwargs["load_format"]]
-    for key in ("quantization", "kv_cache_dtype"):
-        if kwargs.get(key):
-            cmd += ["--" + key.replace("_", "-"), kwargs[key]]
-    tokenizer = tokenizer_for(config, source, mc)
-    if tokenizer is None:
-        cmd.append("--skip-tokenizer-init")
-    elif source.kind == "dummy" and source.path is None:  # a preset: its config directory lacks the tokenizer
-        path = os.path.join(workdir, "tokenizer")
-        tokenizer.save_pretrained(path)
-        cmd += ["--tokenizer", path]
-    return ProcessServer(cmd, port, timeout, f"vLLM {peer.version} serve", env=peer.env())
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` as ``kvforge serve`` arguments."""
-    from kvforge.cli import ENGINE_FLAGS
-
-    argv: list[str] = []
-    for flag, _ in ENGINE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.enable_prefix_caching is not None:
-        argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
-    if getattr(args, "async_scheduling", None) is not None:
-        argv.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
-    return argv
 
 
 # -- the load -------------------------------------------------------------------------------------------
@@ -285,92 +150,153 @@ def _spec_counters(url: str) -> dict | None:
         return None
 
 
+def kvforge_client(args: argparse.Namespace, url: str, model: str, workload: list[BenchRequest], warm: BenchRequest,
+                   rate: float, max_concurrency: int | None, seed: int) -> dict:
+    """One run of kvforge's own client: the load, and the speculative-decoding counters it moved."""
+    spec_before = _spec_counters(url)
+    results, duration = asyncio.run(run_load(url, model, workload, warm, rate, max_concurrency, seed, args.api_key))
+    return {"seconds": duration, "spec_decode": spec_delta(spec_before, _spec_counters(url))} | \
+        summarize_results(results, workload)
+
+
+def _server_starts(args: argparse.Namespace, config: Any, source: Any, mc: Any, peer: Any,
+                   workdir: str) -> list[tuple[str, Callable[[], Any]]]:
+    """``(vLLM client backend, start)`` of every server in turn: ``--base-url``'s, or kvforge's (in this
+    process, or a subprocess), then with ``--vs vllm`` ``vllm serve`` on the same port."""
+    if args.base_url:
+        return [("openai", lambda: ExternalServer(args.base_url))]
+    if not (args.server_process or args.vs):
+        return [("openai", lambda: InProcessServer(config, args.server_timeout))]
+    port = free_port()  # every server in turn on the same port
+    starts: list[tuple[str, Callable[[], Any]]] = [("openai", lambda: kvforge_server(args, port, args.server_timeout))]
+    if args.vs:
+        starts.append(("vllm", lambda: vllm_server(peer, config, source, mc, args.seed or 0, port,
+                                                    args.server_timeout, workdir)))
+    return starts
+
+
+def drive(args: argparse.Namespace, plan: Plan, server: Any, backend: str, workloads: list[list[BenchRequest]],
+          warm: BenchRequest, peer: Any, tokenizer: str | None) -> list[dict]:
+    """Every run of ``plan`` against one started ``server``: points, then runs, then clients."""
+    model = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
+                      if args.api_key else {}, timeout=30).json()["data"][0]["id"]
+    records = []
+    for point, (rate, limit) in enumerate(plan.points):
+        for run in range(plan.runs):
+            offset = plan.seed_offset(point, run)
+            seed = (args.seed or 0) + offset
+            for client in plan.clients:
+                if client == "kvforge":
+                    rec = kvforge_client(args, server.url, model, workloads[offset], warm, rate, limit, seed)
+                else:
+                    rec = vllm_client.run(peer, dict(
+                        url=server.url, model=model, tokenizer=tokenizer, backend=backend, dataset=args.dataset,
+                        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                        range_ratio=args.range_ratio, prefix_len=args.prefix_len, request_rate=rate,
+                        max_concurrency=limit, seed=seed), args.api_key)
+                records.append({"engine": server.label, "client": client, "url": server.url,
+                                "cold_start_s": server.cold_start_s, "request_rate": rate, "max_concurrency": limit,
+                                "run": run, "seed": seed, "seed_offset": offset} | rec)
+                if plan.aggregated:
+                    done = rec.get("error") or f"{rec['completed']}/{rec['completed'] + rec['failed']} ok"
+                    print(f"[{server.label}, {client} client] rate {_rate(rate)}, concurrency {limit or '-'}, "
+                          f"run {run + 1}/{plan.runs}: {done}", file=sys.stderr)
+    return records
+
+
+def _rate(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvforge.bench.throughput import model_of, vllm_peer
-
-    if not args.request_rate > 0:
-        raise ValueError(f"--request-rate: must be > 0 (inf sends every request at once), got {args.request_rate}")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
-    if args.vs and args.base_url:
-        raise ValueError("--vs vllm: starts both servers itself, so it cannot be combined with --base-url")
-    peer = vllm_peer(args)  # fails before anything starts if vLLM does not import
-    config, source, mc, tokenizer = model_of(args)
-    workload = workload_for(args, mc.vocab_size, tokenizer=tokenizer)
-    warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
-                         seed=(args.seed or 0) + 1_000_003)[0]
-    dtype = dev = max_num_seqs = None
-    rows = []
-    if args.base_url:
-        rows.append(measure(args, args.base_url.rstrip("/"), args.base_url.rstrip("/"), None, workload, warm))
-        device = "remote"
-    else:
-        dtype, dev, max_num_seqs = config.torch_dtype, config.torch_device, config.max_num_seqs
-        if args.server_process or args.vs:
-            port = free_port()  # every server in turn on the same port
-            server: Any = kvforge_server(args, port, args.server_timeout)
-        else:
-            server = InProcessServer(config, args.server_timeout)
-            eng = server.engine.engine
-            check_fits(workload, eng.max_model_len)
-            dtype, dev = eng.dtype, eng.device
-        rows.append(measure(args, server.url, server.label, server, workload, warm))
-        if args.vs:
-            with tempfile.TemporaryDirectory(prefix="kvforge-vllm-model-") as tmp:
-                server = vllm_server(peer, config, source, mc, args.seed or 0, port, args.server_timeout, tmp)
-                row = measure(args, server.url, server.label, server, workload, warm)
-            rows.append(row)
-        device = device_name(dev)
-    roofline = bandwidth = flops = None
-    if dtype is not None:
-        bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, torch.device(dev).type)
-        if bandwidth and flops:
-            itemsize = engine_precision(config, mc, torch.empty((), dtype=dtype).element_size())
-            roofline = roofline_tok_s(mc, workload, max_num_seqs, itemsize, bandwidth, flops)
-    derive(rows, workload, roofline)
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-    cold = rows[0]["cold_start_s"]
-    print(f"\n{config.model or 'default model'} on {device}: {len(workload)} streaming requests ({args.dataset}) "
-          f"at {rate} req/s, max concurrency {args.max_concurrency or 'unlimited'}; "
-          + (f"cold start {cold:.2f} s" if cold is not None else "external server"))
-    print(report.format_table(rows, report.SERVE_COLUMNS))
-    for row in rows:
-        if row["failed"]:
-            print(f"    {row['engine']}: {row['failed']} failed; first error: {row['errors'][0]}")
-        if row.get("attention_backend"):
-            print(f"    {row['engine']}: attention backend {row['attention_backend']}")
-    if rows[0]["spec_decode"]:
-        print(describe_spec(rows[0]["spec_decode"]))
-    finish(args, "serve", device, str(dtype).removeprefix("torch.") if dtype else None, mc, workload, rows,
-           {"roofline_tok_s": roofline, "bandwidth": bandwidth, "flops": flops,
-            "base_url": rows[0].get("url")})
-    if args.plot:
-        report.write_plot(args.plot, rows, "output_tok_s", "output tokens/s", f"{rows[0]['engine']}: {rate} req/s",
-                          roofline)
-    return 0 if all(row["failed"] == 0 for row in rows) else 1
-
-
-def measure(args: argparse.Namespace, url: str, label: str, server: Any, workload: list[BenchRequest],
-            warm: BenchRequest) -> dict:
-    """One server's row: the load, then the server stopped (if we started it)."""
     from kvforge.bench.vllm_peer import attention_backend
 
-    try:
-        model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
-                          if args.api_key else {}, timeout=30).json()["data"][0]["id"]
-        spec_before = _spec_counters(url)
-        results, duration = asyncio.run(run_load(url, model, workload, warm, args.request_rate,
-                                                 args.max_concurrency, args.seed or 0, args.api_key))
-        spec = spec_delta(spec_before, _spec_counters(url))
-    finally:
-        log = server.output() if isinstance(server, ProcessServer) else ""
-        if server is not None:
-            server.stop()
-    row = {"engine": label, "url": url, "seconds": duration,
-           "cold_start_s": server.cold_start_s if server is not None else None,
-           "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "spec_decode": spec}
-    if label.startswith("vLLM"):
-        row["attention_backend"] = attention_backend(log)
-    return row | summarize_results(results, workload)
+    plan = plan_of(args)
+    if args.vs and args.base_url:
+        raise ValueError("--vs vllm: starts both servers itself, so it cannot be combined with --base-url")
+    peer = vllm_peer(args, client="vllm" in plan.clients)  # fails before anything starts if vLLM does not import
+    config, source, mc, tokenizer = model_of(args)
+    workloads = [workload_for(args, mc.vocab_size, seed_offset=o, tokenizer=tokenizer) for o in range(plan.num_workloads)]
+    warm = make_workload("fixed", 1, args.input_len, min(4, args.output_len), mc.vocab_size,
+                         seed=(args.seed or 0) + 1_000_003)[0]
+    # measured (if at all) before any server holds the GPU
+    ceilings = None if args.base_url else for_device(args, config.torch_device)
+    dtype, dev = (None, None) if args.base_url else (config.torch_dtype, config.torch_device)
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvforge-bench-serve-") as workdir:
+        client_tokenizer = vllm_client.tokenizer_dir(config, source, mc, workdir) if "vllm" in plan.clients else None
+        if "vllm" in plan.clients and client_tokenizer is None:
+            raise ValueError(f"--client vllm: vLLM's client sends text prompts, and {source.name} has no tokenizer "
+                             "(give --tokenizer)")
+        for backend, start in _server_starts(args, config, source, mc, peer, workdir):
+            server = start()
+            mine = []
+            try:
+                if isinstance(server, InProcessServer):
+                    eng = server.engine.engine
+                    for w in workloads:
+                        check_fits(w, eng.max_model_len)
+                    dtype, dev = eng.dtype, eng.device
+                mine = drive(args, plan, server, backend, workloads, warm, peer, client_tokenizer)
+            finally:
+                log = server.output() if isinstance(server, ProcessServer) else ""
+                server.stop()
+            if server.label.startswith("vLLM"):
+                for rec in mine:
+                    rec["attention_backend"] = attention_backend(log)
+            records += mine
+    rooflines: dict[int, float] = {}
+    if dtype is not None and ceilings is not None and ceilings.ok:
+        itemsize = engine_precision(config, mc, torch.empty((), dtype=dtype).element_size())
+        rooflines = {o: roofline_tok_s(mc, w, config.max_num_seqs, itemsize, ceilings.bandwidth, ceilings.flops)
+                     for o, w in enumerate(workloads)}
+    for offset, w in enumerate(workloads):
+        derive([r for r in records if r["seed_offset"] == offset], w, rooflines.get(offset))
+    device = device_name(dev) if dev is not None else "remote"
+    rows = aggregate(records) if plan.aggregated else records
+    report_serve(args, plan, config, device, ceilings, workloads[0], rows, records, rooflines.get(0))
+    finish(args, "serve", device, str(dtype).removeprefix("torch.") if dtype else None, mc, workloads[0], rows,
+           {"roofline_tok_s": rooflines.get(0), "bandwidth": ceilings.bandwidth if ceilings else None,
+            "flops": ceilings.flops if ceilings else None, "ceilings": ceilings.as_dict() if ceilings else None,
+            "base_url": args.base_url, "sweep": {"request_rates": list(plan.rates),
+                                                 "concurrencies": list(plan.concurrencies), "runs": plan.runs,
+                                                 "clients": list(plan.clients)},
+            "runs": records})
+    return 0 if all(not r.get("error") and r["failed"] == 0 for r in records) else 1
+
+
+def report_serve(args: argparse.Namespace, plan: Plan, config: Any, device: str, ceilings: Any,
+                 workload: list[BenchRequest], rows: list[dict], records: list[dict], roofline: float | None) -> None:
+    """The header, the table (one row per run, or a sweep's medians and spreads), and what went wrong."""
+    colds = {r["engine"]: r["cold_start_s"] for r in records if r.get("cold_start_s") is not None}
+    cold = ", ".join(f"{e} {s:.2f} s" for e, s in colds.items()) or "external server"
+    load = (f"at {_rate(plan.rates[0])} req/s, max concurrency {plan.concurrencies[0] or 'unlimited'}"
+            if not plan.aggregated else
+            f"rates {', '.join(map(_rate, plan.rates))} req/s x max concurrency "
+            f"{', '.join(str(c or 'unlimited') for c in plan.concurrencies)}, {plan.runs} runs each "
+            "(median [min-max] over runs)")
+    print(f"\n{config.model or 'default model'} on {device}: {len(workload)} streaming requests ({args.dataset}) "
+          f"{load}, clients {', '.join(plan.clients)}; cold start {cold}")
+    print(ceilings.describe() if ceilings else "roofline n/a (an external server: its GPU is not known)")
+    print(report.format_table(rows, report.SWEEP_COLUMNS if plan.aggregated else report.SERVE_COLUMNS))
+    for rec in records:
+        where = f"    {rec['engine']}, {rec['client']} client, rate {_rate(rec['request_rate'])}, run {rec['run'] + 1}"
+        if rec.get("error"):
+            if plan.aggregated:  # the one-run table prints it under the row
+                print(f"{where}: {rec['error']}")
+        elif rec["failed"]:
+            print(f"{where}: {rec['failed']} failed; first error: {(rec['errors'] or ['not said'])[0]}")
+    for engine, backend in {r["engine"]: r.get("attention_backend") for r in records}.items():
+        if backend:
+            print(f"    {engine}: attention backend {backend}")
+    if records[0].get("spec_decode"):
+        print(describe_spec(records[0]["spec_decode"]))
+    if args.plot:
+        if plan.aggregated:
+            print("--plot: draws one run's rows; a sweep's are in the table and --json", file=sys.stderr)
+        else:
+            report.write_plot(args.plot, rows, "output_tok_s", "output tokens/s",
+                              f"{rows[0]['engine']}: {_rate(plan.rates[0])} req/s", roofline)

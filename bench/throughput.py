@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from kvforge.bench import report
-from kvforge.bench.metrics import engine_precision, resolve_ceilings, roofline, summarize
+from kvforge.bench.ceilings import Ceilings, for_device
+from kvforge.bench.metrics import engine_precision, roofline, summarize
 from kvforge.bench.peers import free_memory, run_peer, sync
 from kvforge.bench.spec_stats import describe as describe_spec
 from kvforge.bench.spec_stats import spec_delta
@@ -133,45 +134,50 @@ def derive(rows: list[dict], workload: list[BenchRequest], roofline: float | Non
 
 
 def describe(args: argparse.Namespace, model: str, device: str, workload: list[BenchRequest],
-             roofline: float | None, bandwidth: float | None, flops: float | None) -> str:
+             roofline: float | None, ceilings: Ceilings) -> str:
     n_in, n_out = sum(r.input_len for r in workload), sum(r.output_len for r in workload)
     head = (f"{model} on {device}: {len(workload)} requests ({args.dataset}), {n_in:,} prompt + {n_out:,} "
-            f"output tokens (EOS ignored); ")
-    if roofline is None:
-        return head + "roofline n/a on CPU (give --bandwidth and --flops)"
-    return head + (f"roofline {roofline:,.0f} output tok/s ({bandwidth / 1e12:.2f} TB/s, "
-                   f"{flops / 1e12:.3g} TFLOP/s)")
+            f"output tokens (EOS ignored)")
+    return head + (f"; roofline {roofline:,.0f} output tok/s" if roofline else "") + "\n" + ceilings.describe()
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The ``EngineConfig`` of the engine flags (its ``torch_device`` is where the bench runs)."""
+    from kvforge.cli import engine_kwargs
+    from kvforge.config import EngineConfig
+
+    kwargs = engine_kwargs(args)
+    return EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)
 
 
 def model_of(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """``(config, source, model config, tokenizer)`` of the engine flags, without building an engine."""
-    from kvforge.cli import engine_kwargs
-    from kvforge.config import EngineConfig
     from kvforge.model.loader import load_model_config, resolve_model_source
     from kvforge.model.tokenizer_source import tokenizer_for
 
-    kwargs = engine_kwargs(args)
-    config = EngineConfig.create(kwargs.pop("config", None), model=kwargs.pop("model", None), **kwargs)
+    config = engine_config(args)
     source = resolve_model_source(config.model, config.load_format)
     mc = load_model_config(source)
     tokenizer = tokenizer_for(config, source, mc) if args.dataset == "edit" else None
     return config, source, mc, tokenizer
 
 
-def vllm_peer(args: argparse.Namespace):
-    """The probed ``VllmPeer`` when ``--vs vllm`` is given (``ValueError`` if vLLM does not import), else None."""
-    if "vllm" not in args.vs:
+def vllm_peer(args: argparse.Namespace, client: bool = False):
+    """The probed ``VllmPeer`` when ``--vs vllm`` is given or vLLM's ``client`` is asked for (``ValueError``
+    if vLLM does not import), else None."""
+    if "vllm" not in args.vs and not client:
         return None
     from kvforge.bench.vllm_peer import VllmPeer
 
     peer = VllmPeer(python=args.vllm_python or sys.executable, path=list(args.vllm_path),
                     redraw_dummy=getattr(args, "vllm_dummy_weights", "kvforge") == "kvforge")
-    print(f"--vs vllm: vLLM {peer.probe()} in {peer.python}", file=sys.stderr)
+    print(f"vLLM {peer.probe()} in {peer.python}", file=sys.stderr)
     return peer
 
 
 def run(args: argparse.Namespace) -> int:
     peer = vllm_peer(args)
+    ceilings = for_device(args, engine_config(args).torch_device)  # measured (if at all) on an idle GPU
     vllm_row = None
     if peer is not None:  # first, on a device nothing else holds yet
         import tempfile
@@ -206,12 +212,12 @@ def run(args: argparse.Namespace) -> int:
     rows = [ours] + ([vllm_row] if vllm_row else [])
     rows += [run_peer(p, source, mc, workload, device, dtype, args.seed or 0, args.hf_batch_size)
              for p in args.vs if p != "vllm"]
-    bandwidth, flops = resolve_ceilings(args.bandwidth, args.flops, device.type)
+    bandwidth, flops = ceilings.bandwidth, ceilings.flops
     floor = roofline(mc, workload, max_num_seqs, precision, bandwidth, flops) if bandwidth and flops else None
     roofline_tok_s = floor.tok_s if floor else None
     derive(rows, workload, roofline_tok_s)
     dev = device_name(device)
-    print("\n" + describe(args, model_name, dev, workload, roofline_tok_s, bandwidth, flops))
+    print("\n" + describe(args, model_name, dev, workload, roofline_tok_s, ceilings))
     print(report.format_table(rows, report.THROUGHPUT_COLUMNS))
     if vllm_row:
         print(f"vLLM {vllm_row['vllm_version']}: attention backend {vllm_row['attention_backend'] or 'not logged'}; "
@@ -220,10 +226,10 @@ def run(args: argparse.Namespace) -> int:
         print(describe_spec(ours["spec_decode"]))
     finish(args, "throughput", dev, str(dtype).removeprefix("torch."), mc, workload, rows,
            {"roofline_tok_s": roofline_tok_s, "roofline": floor.as_dict() if floor else None,
-            "bandwidth": bandwidth, "flops": flops})
+            "bandwidth": bandwidth, "flops": flops, "ceilings": ceilings.as_dict()})
     if args.plot:
         report.write_plot(args.plot, rows, "output_tok_s", "output tokens/s",
-                          describe(args, model_name, dev, workload, roofline_tok_s, bandwidth, flops), roofline_tok_s)
+                          describe(args, model_name, dev, workload, roofline_tok_s, ceilings), roofline_tok_s)
     return 0
 
 

@@ -52,6 +52,12 @@ class VllmPeer:
             env["PYTHONPATH"] = os.pathsep.join(entries)
         return env
 
+    def cli(self, *argv: str) -> list[str]:
+        """The command line of ``vllm ARGV...`` in vLLM's interpreter (run it with :meth:`env`): its CLI's
+        entry point called directly, since the ``vllm`` script may not be on the PATH (``--vllm-path``)."""
+        return [self.python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()",
+                *argv]
+
     def call(self, request: dict, echo: bool = True) -> tuple[dict, str]:
         """Run the worker on ``request``; returns (its result, its output). Raises ``RuntimeError`` for a
         worker that wrote no result."""

@@ -222,7 +222,10 @@ def test_latency(tmp_path, capsys):
     row = load_json(out)["rows"][0]
     assert len(row["latencies_s"]) == 3 and row["latency_p99_s"] >= row["latency_p50_s"] > row["prefill_s"] > 0
     assert row["decode_step_s"] > 0 and row["decode_floor_s"] > 0 and row["floor_ratio"] > 0
-    assert "decode step ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "decode step ms" in out
+    # the header names the device, the ceilings and where they came from
+    assert "roofline ceilings of CPU: 0.01 TB/s copy, 1 TFLOP/s bf16 matmul (--bandwidth, --flops)" in out
 
 
 @pytest.mark.parametrize("rate", ["inf", "50"])

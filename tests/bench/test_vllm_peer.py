@@ -160,16 +160,28 @@ def test_serve_drives_both_servers_on_one_port_with_the_same_load(tmp_path, reco
     out = tmp_path / "serve.json"
     assert bench("serve", *ENGINE, *VS, "--num-prompts", "4", "--input-len", str(IN), "--output-len", "4",
                  "--max-concurrency", "2", "--json", str(out)) == 0
-    ours, vllm = json.loads(out.read_text())["rows"]
-    assert ours["engine"] == "kvforge serve (process)" and vllm["engine"] == "vLLM 0.0.fake serve"
+    rows = json.loads(out.read_text())["rows"]
+    # each server driven by kvforge's client, then by vLLM's own (`vllm bench serve`)
+    assert [(r["engine"], r["client"]) for r in rows] == [
+        ("kvforge serve (process)", "kvforge"), ("kvforge serve (process)", "vllm"),
+        ("vLLM 0.0.fake serve", "kvforge"), ("vLLM 0.0.fake serve", "vllm")]
+    ours, vllm = rows[0], rows[2]
     assert ours["url"] == vllm["url"] and vllm["attention_backend"] == "FAKE_ATTN"
-    for row in (ours, vllm):
+    for row in rows:
         assert row["completed"] == 4 and row["failed"] == 0 and row["output_tokens"] == 16 and row["cold_start_s"] > 0
     (serve,) = record("serve")
     argv = serve["argv"]
     assert argv[argv.index("--load-format") + 1] == "dummy" and argv[argv.index("--served-model-name") + 1] == "dummy:tiny"
     assert argv[argv.index("--port") + 1] == ours["url"].rsplit(":", 1)[1]
     assert serve["config_json"] and serve["tokenizer_json"]  # the preset's config, the default model's tokenizer
+    # vLLM's client: the same flags against both servers but its backend name, one result each
+    clients = [c["argv"] for c in record("bench serve")]
+    assert [a[a.index("--backend") + 1] for a in clients] == ["openai", "vllm"]
+    same = [{k: a[i + 1] for i, k in enumerate(a) if k.startswith("--") and k not in ("--backend", "--result-dir")}
+            for a in clients]
+    assert same[0] == same[1] and same[0]["--max-concurrency"] == "2" and same[0]["--base-url"] == ours["url"]
+    saved = [c["result"] for c in record("bench serve result")]
+    assert [r["ttft_ms"]["p50"] for r in (rows[1], rows[3])] == [s["p50_ttft_ms"] for s in saved]
 
 
 def test_serve_vs_vllm_refuses_base_url(capsys):

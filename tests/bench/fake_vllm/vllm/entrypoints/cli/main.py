@@ -1,6 +1,9 @@
-"""A stand-in for ``vllm serve``: records its arguments to ``$FAKE_VLLM_RECORD``, logs an attention
-backend line as vLLM does, and serves the model with ``kvforge serve`` on the CPU (extra kvforge flags
-from ``$FAKE_VLLM_SERVE_ARGS``), so that ``kvforge bench serve --vs vllm`` can be tested end to end."""
+"""A stand-in for ``vllm serve`` and ``vllm bench serve``.
+
+``serve`` records its arguments to ``$FAKE_VLLM_RECORD``, logs an attention backend line as vLLM does,
+and serves the model with ``kvforge serve`` on the CPU (extra kvforge flags from ``$FAKE_VLLM_SERVE_ARGS``),
+so that ``kvforge bench serve --vs vllm`` can be tested end to end. ``bench serve`` is vLLM's client
+(``vllm.benchmarks.serve`` here: it drives the server and saves a result in vLLM's format)."""
 import argparse
 import os
 import shlex
@@ -17,7 +20,15 @@ def main() -> None:
     for flag in ("--host", "--port", "--dtype", "--seed", "--served-model-name", "--load-format", "--tokenizer"):
         serve.add_argument(flag)
     serve.add_argument("--skip-tokenizer-init", action="store_true")
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command", required=True)
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_serve
+
+    add_cli_args(bench.add_parser("serve"))
     args = p.parse_args()
+    if args.command == "bench":
+        bench_serve(args)
+        return
     _record({"call": "serve", "argv": sys.argv[1:],
              "config_json": os.path.exists(os.path.join(args.model, "config.json")),
              "tokenizer_json": bool(args.tokenizer) and os.path.exists(os.path.join(args.tokenizer, "tokenizer.json"))})
