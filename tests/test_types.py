@@ -78,6 +78,7 @@ CHECKED = [
     "rank/swap.py",
     "rank/batch_layout.py",
     "rank/cuda_graphs.py",
+    "rank/piecewise_graphs.py",
     "rank/kv_sizing.py",
     "rank/model_build.py",
     "rank/model_runner.py",

@@ -31,7 +31,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -96,7 +96,8 @@ def cut_forward(model: RankModel, attn: AttentionBackend, kv_caches: list[torch.
     """The model's forward over ``ids`` / ``pos`` with every attention call handed to ``on_call`` and the
     metadata sealed: raises :class:`PiecewiseUnsafe` if the model reads the metadata itself."""
     with attention_cut(attn, on_call):
-        return hidden_states(model(ids, pos, kv_caches, SealedMetadata()))
+        sealed = cast(AttentionMetadata, SealedMetadata())  # (it stands in for one, refusing every read)
+        return hidden_states(model(ids, pos, kv_caches, sealed))
 
 
 @dataclass
