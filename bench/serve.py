@@ -231,8 +231,16 @@ def run(args: argparse.Namespace) -> int:
         if "vllm" in plan.clients and client_tokenizer is None:
             raise ValueError(f"--client vllm: vLLM's client sends text prompts, and {source.name} has no tokenizer "
                              "(give --tokenizer)")
-        for backend, start in _server_starts(args, config, source, mc, peer, workdir):
-            server = start()
+        unstarted = []  # a peer server that did not start: the rows of those that did are still reported
+        for i, (backend, start) in enumerate(_server_starts(args, config, source, mc, peer, workdir)):
+            try:
+                server = start()
+            except RuntimeError as exc:
+                if i == 0:
+                    raise
+                print(f"error: the peer server did not start, so it has no rows: {exc}", file=sys.stderr)
+                unstarted.append(str(exc))
+                continue
             mine = []
             try:
                 if isinstance(server, InProcessServer):
@@ -265,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                                                  "concurrencies": list(plan.concurrencies), "runs": plan.runs,
                                                  "clients": list(plan.clients)},
             "runs": records})
-    return 0 if all(not r.get("error") and r["failed"] == 0 for r in records) else 1
+    return 0 if not unstarted and all(not r.get("error") and r["failed"] == 0 for r in records) else 1
 
 
 def report_serve(args: argparse.Namespace, plan: Plan, config: Any, device: str, ceilings: Any,
