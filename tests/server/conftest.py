@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvforge.bench.serve import wait_healthy
+from kvforge.bench.servers import wait_healthy
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 512
@@ -30,7 +30,7 @@ _thread_client = _ThreadClient()
 
 def http() -> httpx.Client:
     """This thread's HTTP client, for the helpers that poll a server (``httpx.get`` builds a client and an
-    SSL context per call: see ``kvforge.bench.serve.wait_healthy``). No keep-alive: each request on its
+    SSL context per call: see ``kvforge.bench.servers.wait_healthy``). No keep-alive: each request on its
     own connection, as ``httpx.get`` sends it."""
     if _thread_client.client is None:
         _thread_client.client = httpx.Client(timeout=2.0, limits=httpx.Limits(max_keepalive_connections=0))

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from conftest import API_KEY, ServerProcess, metric
-from kvforge.bench.serve import ProcessServer, free_port
+from kvforge.bench.servers import ProcessServer, free_port
 from lora_adapters import SPECS, AdapterSpec, make_adapter, peft_greedy
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}

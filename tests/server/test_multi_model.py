@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvforge.bench.serve import ProcessServer, free_port
+from kvforge.bench.servers import ProcessServer, free_port
 from kvforge.cli import build_parser
 from kvforge.server.cli import served_model_configs
 
