@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvforge.config import EngineConfig, build_options
+from kvforge.kv_tier import TierChain
 from kvforge.plugin_manager import KINDS, PluginManager
+
+if TYPE_CHECKING:
+    from kvforge.rank.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,32 @@ def component(pm: PluginManager, kind: str, name: str, config: EngineConfig, **k
 
 def kv_connector(pm: PluginManager, name: str, config: EngineConfig) -> Any:
     """The KV connector ``name`` (``kvforge.kv_connector.KVConnector``) as the engine and every rank build
-    it: ``gib`` from ``kv_offload_cpu_gib``, the rest from its ``[plugins.<name>]`` options."""
-    return component(pm, "kv_connector", name, config, gib=config.kv_offload_cpu_gib)
+    it: the engine config (it reads its own options there), and its ``[plugins.<name>]`` options."""
+    cls = pm.get("kv_connector", name)
+    return cls(config=config, **build_options(cls, name, config.plugins.get(name, {})))
+
+
+def kv_tiers(pm: PluginManager, config: EngineConfig, executor: Executor) -> TierChain | None:
+    """The tiers beyond the GPU for prefix-cached blocks (:func:`kv_tier_names`), each rank's stores built
+    (``InitializeKVTier``) and the engine's index of each over the smallest rank's slots, chained; None
+    without a tier, with prefix caching off, or when no tier keeps a block."""
+    from kvforge.rank.messages import InitializeKVTier  # (the rank messages import the step codec)
+
+    names = kv_tier_names(config) if config.enable_prefix_caching else []
+    if not names:
+        return None
+    connectors = [kv_connector(pm, name, config) for name in names]  # (an unknown name fails here, naming the rest)
+    slots = [min(per_rank) for per_rank in zip(*executor.call(InitializeKVTier(tuple(names))))]
+    return TierChain([c.index(n) for c, n in zip(connectors, slots)]) if any(slots) else None
+
+
+def kv_tier_names(config: EngineConfig) -> list[str]:
+    """The KV tiers' connectors, fastest first: ``kv_connector`` (None: ``cpu`` when ``kv_offload_cpu_gib``
+    is set), then ``disk`` behind it when ``kv_offload_dir`` is set (so CPU evictions go to disk)."""
+    names = [config.kv_connector or ("cpu" if config.kv_offload_cpu_gib else "")]
+    if config.kv_offload_dir is not None:
+        names.append("disk")
+    return [n for n in dict.fromkeys(names) if n]
 
 
 def auto_order(pm: PluginManager) -> tuple[list[tuple[str, type]], list[str]]:

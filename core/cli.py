@@ -24,6 +24,12 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-offload-cpu-gib", dict(type=float, default=None,
                                   help="GiB of CPU memory per rank keeping prefix-cached KV blocks the GPU pool reuses (0)")),
     ("--kv-connector", dict(default=None, help="the tier of those blocks, a kv_connector plugin (cpu)")),
+    ("--kv-offload-dir", dict(default=None, help="a directory keeping prefix-cached KV blocks on disk, across "
+                                                 "restarts (behind the CPU tier when --kv-offload-cpu-gib is set)")),
+    ("--kv-offload-disk-gib", dict(type=float, default=None, help="GiB of disk per rank that directory may fill (16)")),
+    ("--kv-events-endpoint", dict(default=None, help="publish KV events (blocks stored and removed per tier) on a "
+                                                     "ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557 "
+                                                     "(implies --enable-kv-events)")),
     ("--max-num-seqs", dict(type=int, default=None)),
     ("--max-num-batched-tokens", dict(type=int, default=None)),
     ("--max-piecewise-graph-tokens", dict(type=int, default=None,
@@ -84,13 +90,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         default=None, help="every tensor-parallel all-reduce through NCCL (none over peer memory)")
     parser.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None,
                         help="serve LoRA adapters next to the base model (docs/lora.md)")
+    parser.add_argument("--enable-kv-events", dest="enable_kv_events", action="store_true", default=None,
+                        help="record KV events: the server's GET /kv_events (docs/kv_cache.md)")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = [f[0][2:].replace("-", "_") for f in ENGINE_FLAGS] + ["enable_prefix_caching", "enforce_eager", "async_scheduling",
-                                                           "enable_lora", "disable_custom_all_reduce"]
+                                                           "enable_lora", "disable_custom_all_reduce",
+                                                           "enable_kv_events"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -187,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -54,7 +54,16 @@ class EngineConfig:
         (a tier beyond the GPU: a later request with the same prefix loads them instead of computing
         them; docs/kv_cache.md); allocated on first use, pinned on CUDA. 0: off. Needs prefix caching.
     kv_connector: the tier those blocks go to, a registered ``kv_connector`` plugin (None: ``cpu`` when
-        ``kv_offload_cpu_gib`` is set, else none); it gets ``kv_offload_cpu_gib`` as its ``gib``.
+        ``kv_offload_cpu_gib`` is set, else none); it reads its options in this config and its
+        ``[plugins.<name>]`` table.
+    kv_offload_dir: a directory for prefix-cached KV blocks on disk (the built-in ``disk`` tier: one file
+        per block and rank, kept across restarts of the engine); with a host tier it sits behind it (the
+        host tier's evictions go to disk), alone it is the only tier. None: no disk tier.
+    kv_offload_disk_gib: GiB of disk per rank the ``disk`` tier may fill (its least recently used blocks go).
+    enable_kv_events: record which prefix-cached blocks each tier stores and removes (``kvforge.kv_events``,
+        vLLM's event shape), readable at the server's ``GET /kv_events``; off: the KV manager records nothing.
+    kv_events_endpoint: also publish them on a ZMQ PUB socket bound there (``tcp://127.0.0.1:5557``);
+        setting it turns ``enable_kv_events`` on. None: no socket.
     max_num_seqs: most requests running in one step (``LLM`` on a GPU of 70 GiB or more: 1024 unless
         set, as vLLM's offline default there; see :data:`LARGE_GPU_OFFLINE`).
     max_num_batched_tokens: token budget of one step (prompt chunks + decode tokens; ``LLM`` on a GPU
@@ -123,6 +132,10 @@ class EngineConfig:
     swap_space: float = 4.0
     kv_offload_cpu_gib: float = 0.0
     kv_connector: str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gib: float = 16.0
+    enable_kv_events: bool = False
+    kv_events_endpoint: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
@@ -204,6 +217,20 @@ class EngineConfig:
             raise ValueError(f"kv_offload_cpu_gib must be a number of GiB >= 0, got {self.kv_offload_cpu_gib!r}")
         if self.kv_connector is not None and (not isinstance(self.kv_connector, str) or not self.kv_connector):
             raise ValueError(f"kv_connector must be a connector's name or None, got {self.kv_connector!r}")
+        if isinstance(self.kv_offload_dir, os.PathLike):
+            self.kv_offload_dir = os.fspath(self.kv_offload_dir)
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
+            raise ValueError(f"kv_offload_dir must be a directory's path or None, got {self.kv_offload_dir!r}")
+        if not number(self.kv_offload_disk_gib) or not 0 < self.kv_offload_disk_gib < float("inf"):
+            raise ValueError(f"kv_offload_disk_gib must be a number of GiB > 0, got {self.kv_offload_disk_gib!r}")
+        if not isinstance(self.enable_kv_events, bool):
+            raise ValueError(f"enable_kv_events must be true or false, got {self.enable_kv_events!r}")
+        if self.kv_events_endpoint is not None:
+            from kvforge.kv_event_publisher import ENDPOINT
+            if not isinstance(self.kv_events_endpoint, str) or not ENDPOINT.fullmatch(self.kv_events_endpoint):
+                raise ValueError(f"kv_events_endpoint must be a ZMQ endpoint such as tcp://127.0.0.1:5557 "
+                                 f"(tcp, ipc or inproc), got {self.kv_events_endpoint!r}")
+            self.enable_kv_events = True
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

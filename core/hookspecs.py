@@ -126,7 +126,8 @@ def register_kv_connectors(register: Register) -> None:
     :return: nothing; results are ignored.
 
     Called once per process when the plugin manager loads; the engine's ``kv_connector`` option
-    selects one (``kv_offload_cpu_gib`` the built-in ``cpu``).
+    selects the first tier (``kv_offload_cpu_gib`` the built-in ``cpu``), ``kv_offload_dir`` adds the
+    built-in ``disk`` behind it.
     """
 
 

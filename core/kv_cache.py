@@ -13,13 +13,14 @@ window), so a long sequence holds about ``sliding_window / block_size + 1`` bloc
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from kvforge.request import Request
 
 if TYPE_CHECKING:
-    from kvforge.kv_tier import TierIndex
+    from kvforge.kv_events import Event, KVEventRecorder
+    from kvforge.kv_tier import TierChain, TierTransfers
 
 
 @dataclass
@@ -35,12 +36,15 @@ class KVCacheStats:
     num_free_cpu_blocks: int = 0
     num_swapped_out_blocks: int = 0  # blocks copied device -> CPU pool, total since start
     num_swapped_in_blocks: int = 0  # blocks copied CPU pool -> device, total since start
-    # a host tier of prefix-cached blocks (kvforge.kv_tier): prefix-cache hits it gave (tokens, counted
-    # in prefix_cache_hits too), blocks saved to it, its slots and those holding a block
+    # the tiers beyond the GPU (kvforge.kv_tier): prefix-cache hits they gave (tokens, counted in
+    # prefix_cache_hits too), blocks saved to them, their slots and those holding a block; by tier (``cpu``,
+    # ``disk``) the hits (tokens) and the blocks held
     tier_hits: int = 0
     tier_stored_blocks: int = 0
     tier_slots: int = 0
     tier_held_blocks: int = 0
+    tier_hits_by_tier: dict[str, int] = field(default_factory=dict)
+    tier_held_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def usage(self) -> float:
@@ -80,8 +84,10 @@ class KVCacheManager(ABC):
     """
 
     name: str = ""
-    #: the host tier of prefix-cached blocks (:meth:`attach_tier`); None: none
-    tier: TierIndex | None = None
+    #: the tiers beyond the GPU for prefix-cached blocks, as one chain (:meth:`attach_tier`); None: none
+    tier: TierChain | None = None
+    #: the KV events since the last :meth:`take_kv_events` (:meth:`enable_kv_events`); None: not recording
+    events: KVEventRecorder | None = None
 
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0, sliding_window: int | None = None, **options: object):
@@ -148,15 +154,27 @@ class KVCacheManager(ABC):
         """Forget every cached block hash; only possible (True) while no request holds blocks."""
         return False
 
-    def attach_tier(self, tier: TierIndex) -> None:
-        """Keep prefix-cached blocks beyond the device in ``tier`` (``kvforge.kv_tier``): a manager that
-        can saves each cached block it reuses there and continues prefix lookups in it (its
-        ``get_computed_blocks`` then lists :data:`TIER_BLOCK` for each such block). Default: not kept."""
+    def attach_tier(self, tier: TierChain) -> None:
+        """Keep prefix-cached blocks beyond the device in ``tier`` (``kvforge.kv_tier``: the tiers, fastest
+        first): a manager that can saves each cached block it reuses there and continues prefix lookups in
+        it (its ``get_computed_blocks`` then lists :data:`TIER_BLOCK` for each such block, and its
+        ``allocate_slots`` fails, the request waiting, until ``tier.ready`` says they can be loaded).
+        Default: not kept."""
         return None
 
-    def take_tier_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The next step's tier copies: ``(device block, slot)`` saves and ``(slot, device block)`` loads."""
-        return self.tier.take_transfers() if self.tier is not None else ([], [])
+    def enable_kv_events(self) -> bool:
+        """Record KV events from now on (``kvforge.kv_events``): a ``BlockStored`` when a block gets a prefix
+        hash in a tier, a ``BlockRemoved`` when it loses it, ``AllBlocksCleared`` on ``reset_prefix_cache``,
+        the hashes being the manager's own. Returns whether this manager can; default: it cannot (False)."""
+        return False
+
+    def take_kv_events(self) -> list[Event]:
+        """The events recorded since the last call (the engine loop takes them once a step)."""
+        return self.events.take() if self.events is not None else []
+
+    def take_tier_transfers(self) -> TierTransfers | None:
+        """The next step's tier copies (``kvforge.kv_tier.TierTransfers``); None without tiers."""
+        return self.tier.take_transfers() if self.tier is not None else None
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the CPU pool: give up its device blocks, take CPU blocks.

@@ -44,6 +44,7 @@ from kvforge.server.errors import (
     handle_http_error,
     handle_validation_error,
 )
+from kvforge.server.kv_events_route import add_kv_event_routes
 from kvforge.server.lora_routes import LoRAAdapters, LoRAModule, add_lora_routes
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.models import ServedModel, ServedModels
@@ -175,6 +176,7 @@ def create_app(engines: EngineClient | list[EngineNames] | tuple[EngineNames, ..
     add_lora_routes(app, adapters, allow_runtime_lora_updating, fields)
     add_responses_routes(app, models, ResponseStore(max_bytes=responses_store_bytes), fields)
     add_anthropic_routes(app, models, fields)
+    add_kv_event_routes(app, models)
     # the decorator form: Starlette types add_exception_handler's handler for any Exception
     app.exception_handler(APIError)(handle_api_error)
     app.exception_handler(RequestValidationError)(handle_validation_error)

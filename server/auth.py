@@ -9,7 +9,7 @@ from kvforge.server.asgi import header, route_path
 from kvforge.server.errors import error_response
 
 #: paths that cost compute, and so need the API key when one is set (/health, /version, /metrics stay open)
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/kv_events")  # (KV events carry prompts' token ids)
 
 
 class ApiKeyAuth:

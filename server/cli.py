@@ -56,7 +56,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="largest request body accepted, in bytes (default 16 MiB); larger bodies get 413")
     p.add_argument("--data-parallel-size", type=int, default=1,
-                   help="engine replicas (Ray actors) behind this one server, requests to the least busy (1)")
+                   help="engine replicas (Ray actors) behind this one server, requests routed by prefix hits and load (1)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process, not in an engine core process")
     p.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",

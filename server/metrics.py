@@ -63,10 +63,14 @@ def _engine_families(s: EngineStats, model: str) -> Iterator[Metric]:
     yield gauge("kvforge:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s["kv_cache_usage"])
     yield counter("kvforge:prefix_cache_queries", "Tokens looked up in the prefix cache.", s["prefix_cache_queries"])
     yield counter("kvforge:prefix_cache_hits", "Tokens found in the prefix cache.", s["prefix_cache_hits"])
-    yield counter("kvforge:prefix_cache_tier_hits", "Tokens of the prefix-cache hits that came from the host tier.",
-                  s["prefix_cache_tier_hits"])
-    yield counter("kvforge:kv_tier_stored_blocks", "Prefix-cached KV blocks saved to the host tier.",
+    yield counter("kvforge:prefix_cache_tier_hits", "Tokens of the prefix-cache hits that came from the tiers beyond "
+                  "the GPU.", s["prefix_cache_tier_hits"])
+    yield by(CounterMetricFamily, "kvforge:prefix_cache_tier_hits_by_tier", "The same, by tier.", "tier",
+             (("cpu", s["prefix_cache_cpu_hits"]), ("disk", s["prefix_cache_disk_hits"])))
+    yield counter("kvforge:kv_tier_stored_blocks", "Prefix-cached KV blocks saved to the tiers beyond the GPU.",
                   s["kv_tier_stored_blocks"])
+    yield by(GaugeMetricFamily, "kvforge:kv_tier_blocks", "Prefix-cached KV blocks each tier beyond the GPU holds.",
+             "tier", (("cpu", s["kv_tier_cpu_blocks"]), ("disk", s["kv_tier_disk_blocks"])))
     yield counter("kvforge:num_preemptions", "Preemptions of running sequences.", s["num_preemptions"])
     yield by(CounterMetricFamily, "kvforge:num_preemptions_by_mode", "Preemptions by mode.", "mode",
              (("recompute", s["num_preemptions_recompute"]), ("swap", s["num_preemptions_swap"])))

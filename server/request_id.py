@@ -30,8 +30,8 @@ request_logger = logging.getLogger("kvforge.server.requests")
 REQUEST_ID_HEADER = b"x-request-id"
 #: the longest client-given id kept (a longer one is replaced, as vLLM and proxies do)
 MAX_REQUEST_ID_LEN = 128
-#: paths whose request lines are DEBUG: probes and scrapers call them every few seconds
-QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+#: paths whose request lines are DEBUG: probes, scrapers and routers call them every few seconds
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/kv_events"})
 
 
 @dataclasses.dataclass

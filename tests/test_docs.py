@@ -85,3 +85,25 @@ def test_models_md_lists_every_registered_architecture_with_its_capabilities():
         for column, field in columns.items():
             assert (row[column] == "yes") == caps[field], f"{name}: {column} says {row[column]!r}, the class {caps[field]}"
         assert (root / row["test"].strip("`")).is_file(), f"{name}: no test file {row['test']}"
+
+
+def test_server_md_lists_every_metric():
+    """docs/server.md's /metrics table names each family the server exposes (speculative decoding and data
+    parallelism on, so that theirs are there too), and nothing else."""
+    import typing
+
+    import pytest
+
+    pytest.importorskip("prometheus_client")
+    from kvforge.engine.stats import EngineStats, SpecDecodeSnapshot
+    from kvforge.server.metrics import ServerMetrics
+
+    stats: dict = {key: 0 for key in typing.get_type_hints(EngineStats)}
+    spec = {key: 0 for key in typing.get_type_hints(SpecDecodeSnapshot)} | {"accepted_by_position": [0]}
+    stats.update(waiting_by_priority={0: 1}, rank_batch_requests=[0], data_parallel_routed=[0], spec_decode=spec)
+    registry = ServerMetrics(lambda: stats, "m").registry  # type: ignore[arg-type, return-value]
+    exposed = {family.name for family in registry.collect()}  # (a counter's without _total)
+    table = (DOCS / "server.md").read_text()
+    documented = set(re.findall(r"^\| `(kvforge:\w+)` \|", table, re.M))
+    assert documented == exposed, (f"docs/server.md's metrics are stale: missing {sorted(exposed - documented)}, "
+                                   f"not exposed {sorted(documented - exposed)}")

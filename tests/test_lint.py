@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LINTED = ["core", "plugins", "server", "bench", "tests", "benchmarks"]
+LINTED = ["core", "plugins", "server", "bench", "router", "tests", "benchmarks"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None,

@@ -46,6 +46,14 @@ CHECKED = [
     "kv_cache.py",
     "kv_connector.py",
     "kv_tier.py",
+    "kv_events.py",
+    "kv_event_publisher.py",
+    "engine/prefix_router.py",
+    "server/kv_events_route.py",
+    "router/__init__.py",
+    "router/app.py",
+    "router/backends.py",
+    "router/cli.py",
     "layers/__init__.py",
     "layers/linear.py",
     "layers/moe.py",
@@ -164,6 +172,9 @@ CHECKED = [
     "engine/llm_engine.py",
     "engine/request_factory.py",
     "plugins/kv_cache/cpu_tier.py",
+    "plugins/kv_cache/disk_files.py",
+    "plugins/kv_cache/disk_index.py",
+    "plugins/kv_cache/disk_tier.py",
     "plugins/kv_cache/paged.py",
     "plugins/scheduling/priority.py",
     "server/app.py",
@@ -210,13 +221,14 @@ NOT_YET = [
 
 
 def _package_tree(root: Path) -> Path:
-    """``root/kvforge`` laid out as the installed package: links to core's entries, server/, plugins/, bench/."""
+    """``root/kvforge`` laid out as the installed package: links to core's entries, server/, plugins/, bench/,
+    router/."""
     pkg = root / "kvforge"
     pkg.mkdir()
     for entry in (ROOT / "core").iterdir():
         if entry.name != "__pycache__":
             (pkg / entry.name).symlink_to(entry)
-    for sub in ("server", "plugins", "bench"):
+    for sub in ("server", "plugins", "bench", "router"):
         (pkg / sub).symlink_to(ROOT / sub)
     return pkg
 
@@ -225,6 +237,7 @@ def test_every_module_is_in_one_list():
     modules = sorted(
         [str(p.relative_to(ROOT / "core")) for p in (ROOT / "core").rglob("*.py")]
         + [f"server/{p.name}" for p in (ROOT / "server").glob("*.py")]
+        + [f"router/{p.name}" for p in (ROOT / "router").glob("*.py")]
         + [str(p.relative_to(ROOT)) for p in (ROOT / "plugins").rglob("*.py")]
     )
     listed = CHECKED + NOT_YET

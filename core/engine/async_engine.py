@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator
 
 from kvforge.config import EngineConfig
@@ -28,6 +29,7 @@ from kvforge.engine.request_streams import RequestStreams, StreamingFront
 from kvforge.engine.stats import EngineStats
 from kvforge.engine.watchdog import IDLE_BEAT_S, StepWatchdog
 from kvforge.errors import EngineDeadError, RequestFailedError, RequestFailure, is_device_error
+from kvforge.kv_events import EventBatch, KVEventLog, KVEventPage
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -52,6 +54,8 @@ class AsyncLLMEngine(StreamingFront):
         self.dead = threading.Event()  # set once the engine loop has failed
         self._dying = threading.Lock()
         self.watchdog = StepWatchdog(step_timeout_s, self._fail) if step_timeout_s else None
+        self._takes_kv_events = engine.config.enable_kv_events  # (one check a step when off)
+        self.kv_events = self._kv_event_log(engine.config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, step_timeout_s: float | None = None) -> "AsyncLLMEngine":
@@ -96,6 +100,14 @@ class AsyncLLMEngine(StreamingFront):
         """A snapshot of engine counters (read without stopping the loop: values may be a step old)."""
         return self.engine.get_stats()
 
+    def kv_events_since(self, since: int, limit: int = 1000) -> KVEventPage | None:
+        """Up to ``limit`` KV event batches numbered ``since`` on; None: ``enable_kv_events`` is off."""
+        return self.kv_events.since(since, limit) if self.kv_events is not None else None
+
+    def _kv_event_log(self, config: EngineConfig) -> KVEventLog | None:
+        """Where the steps' KV events go (``kvforge.engine.core`` sends them to its front end instead)."""
+        return KVEventLog.for_config(config)
+
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
@@ -115,6 +127,8 @@ class AsyncLLMEngine(StreamingFront):
             self.engine.release()
         else:
             self.engine.shutdown()  # its ranks (worker processes, actors)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
@@ -159,9 +173,13 @@ class AsyncLLMEngine(StreamingFront):
         self._wakeup.set()
 
     # -- hand-overs from the engine thread (``kvforge.engine.core`` sends them to its front end) -----
-    def _emit(self, items: list[tuple[str, Any]]) -> None:
-        """A step's outputs, or a request's error, to the requests' streams (one wake-up per step)."""
-        self.streams.post_many(items)
+    def _emit(self, items: list[tuple[str, Any]], kv_events: EventBatch | None = None) -> None:
+        """A step's outputs, or a request's error, to the requests' streams (one wake-up per step), and
+        the step's KV events to the log."""
+        if items:
+            self.streams.post_many(items)
+        if kv_events is not None and self.kv_events is not None:
+            self.kv_events.append(kv_events)
 
     def _on_dead(self, exc: BaseException) -> None:
         """The loop failed: every open stream raises ``EngineDeadError``."""
@@ -186,6 +204,10 @@ class AsyncLLMEngine(StreamingFront):
         self._on_dead(exc)
 
     # -- the engine thread ------------------------------------------------------------------------
+    def _take_kv_events(self) -> EventBatch | None:
+        events = self.engine.kv_cache.take_kv_events()
+        return EventBatch(time.time(), events) if events else None
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -229,8 +251,9 @@ class AsyncLLMEngine(StreamingFront):
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
-                if outputs:
-                    self._emit([(out.request_id, out) for out in outputs])
+                kv_events = self._take_kv_events() if self._takes_kv_events else None
+                if outputs or kv_events is not None:
+                    self._emit([(out.request_id, out) for out in outputs], kv_events)
         except BaseException as exc:  # the engine is dead: fail every waiting request
             if self.error is None:  # (not after the watchdog gave up on it)
                 logger.exception("engine loop failed")

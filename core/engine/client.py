@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from kvforge.config import EngineConfig
     from kvforge.engine.stats import EngineStats
+    from kvforge.kv_events import KVEventPage
     from kvforge.lora.request import LoRARequest
     from kvforge.model.loader import ModelSource
     from kvforge.outputs import RequestOutput
@@ -82,6 +83,11 @@ class EngineClient(Protocol):
 
     def get_stats(self) -> EngineStats:
         """Counters and gauges for ``/metrics`` (blocking: call from a worker thread)."""
+        ...
+
+    def kv_events_since(self, since: int, limit: int = 1000) -> KVEventPage | None:
+        """Up to ``limit`` of the engine's KV event batches numbered ``since`` and later (``GET /kv_events``;
+        ``kvforge.kv_events.KVEventLog.since``); None when ``enable_kv_events`` is off. Thread-safe."""
         ...
 
     def check_structured_outputs(self, so: StructuredOutputsParams) -> None:

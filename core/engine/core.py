@@ -38,6 +38,7 @@ from kvforge.engine.messages import (
     StepOutputs,
     Stop,
 )
+from kvforge.kv_events import EventBatch, KVEventLog
 from kvforge.log_format import configure_logging, inherited_format
 
 logger = logging.getLogger("kvforge.engine.core")
@@ -70,14 +71,17 @@ class EngineCore(AsyncLLMEngine):
         self._prompts = PromptSent()  # whose prompt the front end has (engine loop thread only)
 
     # -- AsyncLLMEngine's hand-overs, to the front end ------------------------------------------
-    def _emit(self, items: list[tuple[str, Any]]) -> None:
+    def _kv_event_log(self, config: EngineConfig) -> KVEventLog | None:
+        return None  # the front end's process keeps the log and the ZMQ socket: the events go there
+
+    def _emit(self, items: list[tuple[str, Any]], kv_events: EventBatch | None = None) -> None:
         deltas, refused = [], []
         for rid, item in items:
             if isinstance(item, BaseException):
                 refused.append(Refused(rid, portable(item)))
             else:
                 deltas.append(self._prompts.delta(item))
-        self._reply(StepOutputs(deltas, refused))
+        self._reply(StepOutputs(deltas, refused, kv_events))
 
     def _on_abort(self, request_id: str) -> None:
         self._prompts.forget(request_id)

@@ -8,7 +8,7 @@ from typing import AbstractSet, Any
 
 import torch
 
-from kvforge.builder import component, kv_connector, validate_plugin_tables
+from kvforge.builder import component, kv_tiers, validate_plugin_tables
 from kvforge.config import EngineConfig
 from kvforge.engine.output_processor import OutputProcessor, ParentState
 from kvforge.engine.request_factory import RequestFactory
@@ -30,7 +30,6 @@ from kvforge.rank.messages import (
     CaptureCudaGraphs,
     DetermineNumBlocks,
     InitializeCache,
-    InitializeKVTier,
     InitializeSwapSpace,
 )
 from kvforge.rank.model_runner import ModelRunner
@@ -78,6 +77,8 @@ class LLMEngine:
             self._initialize(pm, config, mc)
         except BaseException:
             self.executor.shutdown()
+            if getattr(self, "kv_cache", None) is not None and self.kv_cache.tier is not None:
+                self.kv_cache.tier.close()  # (a disk tier's thread and its directory's lock)
             raise
         pm.hook.engine_created(engine=self)
 
@@ -157,12 +158,11 @@ class LLMEngine:
         self.kv_cache = component(pm, "kv_cache_manager", config.kv_cache_manager, config, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   num_cpu_blocks=num_cpu_blocks, **self._kv_window_arg(mc))
-        tier = config.kv_connector or ("cpu" if config.kv_offload_cpu_gib else None)
-        if tier is not None and config.enable_prefix_caching:  # a tier beyond the GPU for prefix-cached blocks
-            connector = kv_connector(pm, tier, config)  # (an unknown name fails here, naming the registered)
-            slots = min(executor.call(InitializeKVTier(tier)))
-            if slots:
-                self.kv_cache.attach_tier(connector.index(slots))
+        tiers = kv_tiers(pm, config, executor)  # tiers beyond the GPU for prefix-cached blocks, fastest first
+        if tiers is not None:
+            self.kv_cache.attach_tier(tiers)
+        if config.enable_kv_events and not self.kv_cache.enable_kv_events():  # taken each step by the front end
+            logger.warning("enable_kv_events: the %s KV cache manager records no KV events", config.kv_cache_manager)
         # max_loras only with LoRA on: a scheduler written before it existed keeps working without
         self.scheduler = component(pm, "scheduler", config.scheduler, config, kv_cache=self.kv_cache,
                                    max_num_seqs=config.max_num_seqs,
@@ -225,6 +225,8 @@ class LLMEngine:
         # a driver stuck in a collective of a dead rank: its device's work never ends, do not wait for it
         release_device_memory(self.device, wait_s=0.0 if not getattr(driver, "left_groups", True)
                               else RELEASE_WAIT_S)
+        if self.kv_cache.tier is not None:  # after the ranks' stores finished their writes
+            self.kv_cache.tier.close()
 
     def bind_thread(self) -> None:
         """Make the engine's device the current CUDA device of the calling thread (the current device is
@@ -492,6 +494,10 @@ class LLMEngine:
                 "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "prefix_cache_tier_hits": kv.tier_hits, "kv_tier_stored_blocks": kv.tier_stored_blocks,
+                "prefix_cache_cpu_hits": kv.tier_hits_by_tier.get("cpu", 0),
+                "prefix_cache_disk_hits": kv.tier_hits_by_tier.get("disk", 0),
+                "kv_tier_cpu_blocks": kv.tier_held_by_tier.get("cpu", 0),
+                "kv_tier_disk_blocks": kv.tier_held_by_tier.get("disk", 0),
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
                 "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None,
                 "rank_batch_requests": list(self.rank_batch_requests)}

@@ -6,8 +6,9 @@ is the set of those types, so there is no method name to look up. They cross a U
 
 Front end -> core: :class:`AddRequest`, :class:`AbortRequest`, :class:`Call` (of an :data:`EngineCall`),
 :class:`Stop`. Core -> front end: :class:`Ready` or :class:`StartFailed` once, then :class:`Admitted` or
-:class:`Refused` for every ``AddRequest`` (before any of its outputs), :class:`StepOutputs` once per step,
-:class:`CallReply`, :class:`Beat` when the loop has sent nothing else for a while, :class:`Dead`.
+:class:`Refused` for every ``AddRequest`` (before any of its outputs), :class:`StepOutputs` once per step
+(with the step's KV events, if any), :class:`CallReply`, :class:`Beat` when the loop has sent nothing else
+for a while, :class:`Dead`.
 
 Step outputs cross as :class:`OutputDelta`s, not ``RequestOutput``s: a streamed ``RequestOutput`` carries
 its whole prompt (text, token ids, prompt log-probabilities) in every delta, which was most of what a
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from kvforge.engine.client import EngineClient
     from kvforge.engine.stats import EngineStats
     from kvforge.errors import RequestFailure
+    from kvforge.kv_events import EventBatch
     from kvforge.lora.request import LoRARequest
     from kvforge.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -150,6 +152,7 @@ class OutputDelta:
 class StepOutputs:
     deltas: list[OutputDelta]
     refused: list[Refused] = field(default_factory=list)
+    kv_events: EventBatch | None = None  # the step's KV events (``enable_kv_events``), for the front end's log
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ from kvforge.engine.request_streams import RequestStreams, StreamingFront
 from kvforge.engine.stats import EngineStats
 from kvforge.engine.watchdog import StepWatchdog
 from kvforge.errors import EngineDeadError
+from kvforge.kv_events import KVEventLog, KVEventPage
 from kvforge.lora.request import LoRARequest
 from kvforge.outputs import RequestOutput
 from kvforge.rank.executor import stop_processes
@@ -88,6 +89,7 @@ class EngineProcessClient(StreamingFront):
         self._closing = False
         self._dying = threading.Lock()
         self.watchdog = StepWatchdog(step_timeout_s, self._die, "engine core process") if step_timeout_s else None
+        self.kv_events = KVEventLog.for_config(config)  # (its ZMQ socket bound here, before the core starts)
         key = os.urandom(16)
         self._dir = tempfile.mkdtemp(prefix="kvforge-core-")
         address = os.path.join(self._dir, "core.sock")
@@ -175,6 +177,10 @@ class EngineProcessClient(StreamingFront):
     def get_stats(self) -> EngineStats:
         return self._call(GetStats())
 
+    def kv_events_since(self, since: int, limit: int = 1000) -> KVEventPage | None:
+        """Up to ``limit`` KV event batches numbered ``since`` on (the core's steps sent them); None: off."""
+        return self.kv_events.since(since, limit) if self.kv_events is not None else None
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter in the engine (blocking); ``ValueError`` if it is bad."""
         return self._call(AddLora(lora_request))
@@ -222,6 +228,8 @@ class EngineProcessClient(StreamingFront):
     def _stop_process(self, grace: float = STOP_GRACE_S) -> None:
         stop_processes([self.proc], grace)
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
@@ -277,7 +285,10 @@ class EngineProcessClient(StreamingFront):
                 items: list[tuple[str, Any]] = [(d.request_id, self._prompts.output(d)) for d in msg.deltas
                                                 if self.streams.is_open(d.request_id)]
                 items += [(r.request_id, r.error) for r in msg.refused]
-                self.streams.post_many(items)
+                if items:
+                    self.streams.post_many(items)
+                if msg.kv_events is not None and self.kv_events is not None:
+                    self.kv_events.append(msg.kv_events)
             elif isinstance(msg, Admitted):
                 self.streams.post(msg.request_id, _ADMITTED)
             elif isinstance(msg, Refused):

@@ -40,8 +40,12 @@ class EngineStats(TypedDict):
     num_swapped_out_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    prefix_cache_tier_hits: int  # of those, tokens the host tier gave (kvforge.kv_tier)
-    kv_tier_stored_blocks: int  # blocks saved to the host tier since start
+    prefix_cache_tier_hits: int  # of those, tokens the tiers beyond the GPU gave (kvforge.kv_tier)
+    kv_tier_stored_blocks: int  # blocks saved to the tiers since start
+    prefix_cache_cpu_hits: int  # of prefix_cache_tier_hits, tokens the cpu tier gave
+    prefix_cache_disk_hits: int  # of prefix_cache_tier_hits, tokens the disk tier gave
+    kv_tier_cpu_blocks: int  # blocks the cpu tier holds now
+    kv_tier_disk_blocks: int  # blocks the disk tier holds now
     num_prompt_tokens: int
     num_generation_tokens: int
     spec_decode: SpecDecodeSnapshot | None  # None without speculative decoding
@@ -53,6 +57,7 @@ class EngineStats(TypedDict):
 CountKey = Literal["num_running", "num_waiting", "num_preemptions", "num_preemptions_recompute",
                    "num_preemptions_swap", "num_swapped", "num_blocks", "num_free_blocks", "num_cpu_blocks",
                    "num_free_cpu_blocks", "num_swapped_out_blocks", "prefix_cache_queries", "prefix_cache_hits",
-                   "prefix_cache_tier_hits", "kv_tier_stored_blocks",
+                   "prefix_cache_tier_hits", "kv_tier_stored_blocks", "prefix_cache_cpu_hits",
+                   "prefix_cache_disk_hits", "kv_tier_cpu_blocks", "kv_tier_disk_blocks",
                    "num_prompt_tokens", "num_generation_tokens"]
 COUNT_KEYS: tuple[CountKey, ...] = get_args(CountKey)

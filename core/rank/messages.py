@@ -103,14 +103,15 @@ class CaptureCudaGraphs(RankCall[float]):
 
 
 @dataclass(frozen=True, slots=True)
-class InitializeKVTier(RankCall[int]):
-    """Size the host tier of prefix-cached blocks (``kvforge.kv_tier``); its number of slots."""
+class InitializeKVTier(RankCall[list[int]]):
+    """Build the stores of the KV tiers of prefix-cached blocks (``kvforge.kv_tier``), the connectors
+    ``connectors`` in chain order; each one's number of slots."""
 
     worker_method = "initialize_kv_tier"
-    connector: str
+    connectors: tuple[str, ...]
 
-    def apply(self, worker: Worker) -> int:
-        return worker.initialize_kv_tier(self.connector)
+    def apply(self, worker: Worker) -> list[int]:
+        return worker.initialize_kv_tier(self.connectors)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvforge.kv_cache import KVCacheManager
+from kvforge.kv_tier import TierTransfers
 from kvforge.multimodal.encoder_cache import EncoderCachePlan
 from kvforge.multimodal.mrope import rope_offsets, rope_positions, uses_rope_positions
 from kvforge.multimodal.spans import chunk_limit, has_bidirectional, lookahead
@@ -64,10 +65,9 @@ class StepInput:
     #: items whose rows attend both ways (kvforge.multimodal.spans): each token's lookahead, [num_tokens]
     #: int64 (BatchLayout.lookahead); None when no token of the step has one
     lookahead: np.ndarray | None = None
-    #: the host tier of prefix-cached blocks (kvforge.kv_tier): (device block, slot) saves of blocks the
-    #: step reuses, (slot, device block) loads of prefix blocks it found there
-    tier_saves: list[tuple[int, int]] = field(default_factory=list)
-    tier_loads: list[tuple[int, int]] = field(default_factory=list)
+    #: the KV tiers' copies of prefix-cached blocks (kvforge.kv_tier): saves of blocks the step reuses, loads
+    #: of prefix blocks found there, moves down the chain, a disk tier's drops; None when there are none
+    tier: TierTransfers | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +77,7 @@ class StepInput:
     def has_work(self) -> bool:
         """Whether workers have anything to do (a batch, or bookkeeping: swaps, forgotten requests)."""
         return bool(self.req_ids or self.dropped or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.tier_saves or self.tier_loads)
+                    or bool(self.tier))
 
 
 @dataclass
@@ -119,7 +119,7 @@ class StepInputBuilder:
         step = StepInput(blocks_to_copy=out.blocks_to_copy, blocks_to_swap_out=out.blocks_to_swap_out,
                          blocks_to_swap_in=out.blocks_to_swap_in, graph_key=graph_key)
         plan = StepPlan()
-        step.tier_saves, step.tier_loads = kv.take_tier_transfers()
+        step.tier = kv.take_tier_transfers() or None
         dropped = [*out.finished_request_ids, *(r.request_id for r in out.preempted)]
         for rid in dropped:
             self.sent.pop(rid, None)

@@ -15,17 +15,21 @@ then the staged blocks are written. A request must not be swapped both in and ou
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
 
 from kvforge.attention import AttentionBackend, as_bytes
+from kvforge.kv_connector import TierStore
+from kvforge.kv_tier import TierTransfers
 
 Pairs = Sequence[tuple[int, int]]
 
 
-class CPUSwapSpace:
-    """``num_cpu_blocks`` blocks of every layer in host memory, and the copies in and out of it."""
+class CPUSwapSpace(TierStore):
+    """``num_cpu_blocks`` blocks of every layer in host memory, and the copies in and out of it (also the
+    store of the ``cpu`` KV tier: its keys are blocks of this pool)."""
 
     def __init__(self, attn: AttentionBackend, num_layers: int, num_cpu_blocks: int):
         self.attn = attn
@@ -42,7 +46,15 @@ class CPUSwapSpace:
 
     def swap(self, device_caches: list[torch.Tensor], swap_out: Pairs = (), swap_in: Pairs = ()) -> None:
         """Copy ``(device, cpu)`` blocks out to the pool and ``(cpu, device)`` blocks back, every layer."""
-        transfer(device_caches, [(self, swap_out, swap_in)])
+        transfer(device_caches, [StoreCopies(self, outs=swap_out, ins=swap_in)])
+
+    def read(self, layer: int, keys: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        block = like.new_empty((like.shape[0], len(keys), *like.shape[2:]))
+        copy_blocks(block, range(len(keys)), as_bytes(self.ready()[layer]), keys)
+        return block
+
+    def write(self, layer: int, keys: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+        copy_blocks(as_bytes(self.ready()[layer]), keys, src, src_ids)
 
     def ready(self) -> list[torch.Tensor]:
         """The pool's per-layer tensors, allocated on first use."""
@@ -53,29 +65,80 @@ class CPUSwapSpace:
         return self.caches
 
 
-def transfer(device_caches: list[torch.Tensor], pools: Sequence[tuple[CPUSwapSpace, Pairs, Pairs]]) -> None:
-    """One step's copies between the device cache and host pools (the swap pool, a KV tier): for each
-    pool its ``(device, cpu)`` outs and ``(cpu, device)`` ins. Every source is read before any block is
-    written, layer by layer: the ins are staged on the device, the outs copied, then the staged ins
-    written. So a device block that one pool reads and another writes in the same step (a block evicted
-    from the prefix cache and refilled), or a host block released and retaken, is right."""
-    pools = [(p, list(outs), list(ins)) for p, outs, ins in pools if outs or ins]
-    if not pools:
+@dataclass
+class StoreCopies:
+    """One store's copies of a step: ``outs`` ``(device block, key)`` into it, ``ins`` ``(key, device block)``
+    out of it, ``moves`` ``(key, key in to)`` from it into the store ``to``, ``drops`` the keys it forgets,
+    ``tokens`` those of the blocks it gets (a persistent tier's)."""
+
+    store: TierStore
+    outs: Pairs = ()
+    ins: Pairs = ()
+    moves: Pairs = ()
+    to: TierStore | None = None
+    drops: Sequence[int] = ()
+    tokens: Mapping[int, Sequence[int]] = field(default_factory=dict)
+
+
+def tier_copies(stores: Sequence[TierStore | None], step: TierTransfers) -> list[StoreCopies]:
+    """A step's tier copies (``kvforge.kv_tier.TierTransfers``) as each store's, in chain order: a store
+    with nothing to do is left out, one that only receives moves is not."""
+    outs: list[list[tuple[int, int]]] = [[] for _ in stores]
+    ins: list[list[tuple[int, int]]] = [[] for _ in stores]
+    moves: list[list[tuple[int, int]]] = [[] for _ in stores]
+    drops: list[list[int]] = [[] for _ in stores]
+    tokens: list[dict[int, Sequence[int]]] = [{} for _ in stores]
+    for level, device_block, key in step.saves:
+        outs[level].append((device_block, key))
+    for level, key, device_block in step.loads:
+        ins[level].append((key, device_block))
+    for level, key, new_key in step.moves:
+        moves[level].append((key, new_key))
+    for level, key in step.drops:
+        drops[level].append(key)
+    for level, key, block_tokens in step.tokens:
+        tokens[level][key] = block_tokens
+    copies = []
+    for level, store in enumerate(stores):
+        into = level > 0 and bool(moves[level - 1])
+        if not (outs[level] or ins[level] or moves[level] or drops[level] or into):
+            continue
+        if store is None:
+            raise ValueError(f"kv tier: level {level} has no store on this rank, but the step copies to it")
+        to = stores[level + 1] if moves[level] else None
+        copies.append(StoreCopies(store, outs[level], ins[level], moves[level], to, drops[level], tokens[level]))
+    return copies
+
+
+def transfer(device_caches: list[torch.Tensor], copies: Sequence[StoreCopies]) -> None:
+    """One step's copies between the device cache and the stores (the swap pool, the KV tiers). Every source
+    is read before any block is written, layer by layer: the ins and the moves' sources are staged on the
+    device, the outs and the staged moves written to their stores, then the staged ins written to the
+    device. So a device block that one store reads and another writes in the same step (a block evicted from
+    the prefix cache and refilled), or a slot dropped and retaken, is right."""
+    copies = [c for c in copies if c.outs or c.ins or c.moves or c.drops or c.tokens or any(
+        d.to is c.store for d in copies)]
+    if not copies:
         return
-    hosts = [p.ready() for p, _, _ in pools]
+    for c in copies:
+        c.store.begin([k for k, _ in c.ins] + [k for k, _ in c.moves], c.tokens)
     for i, dev in enumerate(device_caches):
         dev = as_bytes(dev)  # FP8: copied as bytes (PyTorch lacks float8 kernels)
-        staged = []
-        for (_, _, ins), host in zip(pools, hosts):  # read before an out may overwrite a host block
-            if ins:
-                block = dev.new_empty((dev.shape[0], len(ins), *dev.shape[2:]))
-                copy_blocks(block, range(len(ins)), as_bytes(host[i]), [c for c, _ in ins])
-                staged.append((block, [d for _, d in ins]))
-        for (_, outs, _), host in zip(pools, hosts):
-            if outs:
-                copy_blocks(as_bytes(host[i]), [c for _, c in outs], dev, [d for d, _ in outs])
-        for block, targets in staged:
-            dev[:, torch.tensor(targets, device=dev.device)] = block
+        staged, moving = [], []
+        for c in copies:  # read before an out may overwrite a block
+            if c.ins:
+                staged.append((c.store.read(i, [k for k, _ in c.ins], dev), [d for _, d in c.ins]))
+            if c.moves and c.to is not None:
+                moving.append((c.to, [k for _, k in c.moves], c.store.read(i, [k for k, _ in c.moves], dev)))
+        for c in copies:
+            if c.outs:
+                c.store.write(i, [k for _, k in c.outs], dev, [d for d, _ in c.outs])
+        for to, keys, blocks in moving:
+            to.write(i, keys, blocks, range(len(keys)))
+        for blocks, targets in staged:
+            dev[:, torch.tensor(targets, device=dev.device)] = blocks
+    for c in copies:
+        c.store.end(c.drops)
 
 
 def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:

@@ -38,10 +38,12 @@ from kvforge.rank.profiler import RankProfiler
 from kvforge.rank.prompt_logits import prompt_logits, prompt_logprobs_rows
 from kvforge.rank.stage_forward import driver_tokens, fill_placeholders, stage_forward, stage_replay
 from kvforge.rank.step_input import ForwardOutput, StepInput
-from kvforge.rank.swap import CPUSwapSpace, transfer
+from kvforge.rank.swap import CPUSwapSpace, StoreCopies, tier_copies, transfer
 from kvforge.rank.worker_spec import WorkerSpec
 
 if TYPE_CHECKING:
+    from kvforge.kv_connector import TierStore
+    from kvforge.kv_tier import TierTransfers
     from kvforge.lora.request import LoRARequest
     from kvforge.lora.slots import LoRAManager
 
@@ -89,7 +91,8 @@ class Worker:
         self.graphs: CUDAGraphRunner | None = None  # once captured
         self.piecewise: PiecewiseGraphs | None = None  # mixed steps' graphs, once captured
         self.swap_space: CPUSwapSpace | None = None
-        self.kv_tier: Any = None  # a KV connector's store of prefix-cached blocks (initialize_kv_tier)
+        #: the KV tiers' stores of prefix-cached blocks, in chain order (initialize_kv_tier; None: a tier without slots)
+        self.kv_tier: list[TierStore | None] | None = None
         self.buffers: StepBuffers | None = None  # once the cache is initialized
         self.extra_bytes_per_block = 0  # the driver's drafter KV cache shares the block ids
         self.batch = PersistentBatch()
@@ -127,6 +130,9 @@ class Worker:
             self.graphs = self.piecewise = None
             if self.device.type == "cuda":
                 gc.collect()  # a graph held in a reference cycle is destroyed only by a collection
+        for store in self.kv_tier or ():
+            if store is not None:
+                store.close()  # a disk tier's writes finish: a restarted engine finds them
         self.left_groups = self.groups.leave(self.device)
 
     def release(self) -> None:
@@ -254,29 +260,37 @@ class Worker:
         self.swap_space = CPUSwapSpace(self.attn, self.num_layers, num_cpu_blocks)
         return num_cpu_blocks
 
-    def initialize_kv_tier(self, connector: str) -> int:
-        """This rank's store of the KV connector ``connector`` (``kvforge.kv_connector``: its storage is
-        allocated on first use); its number of slots."""
-        tier = kv_connector(get_plugin_manager(), connector, self.spec.config)
-        slots = tier.slots(self.bytes_per_block())
-        self.kv_tier = tier.store(self.attn, self.num_layers, slots) if slots else None
+    def initialize_kv_tier(self, connectors: Sequence[str]) -> list[int]:
+        """This rank's stores of the KV connectors ``connectors``, a chain fastest first
+        (``kvforge.kv_connector``: host memory is allocated on first use); each one's number of slots."""
+        pm, bytes_per_block = get_plugin_manager(), self.bytes_per_block()
+        stores: list[TierStore | None] = []
+        slots = []
+        for name in connectors:
+            tier = kv_connector(pm, name, self.spec.config)
+            n = tier.slots(bytes_per_block)
+            stores.append(tier.store(self.attn, self.num_layers, n, self.rank) if n else None)
+            slots.append(n)
+        self.kv_tier = stores
         return slots
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                    tier_saves: Sequence[tuple[int, int]] = (), tier_loads: Sequence[tuple[int, int]] = ()) -> None:
+                    tier: TierTransfers | None = None) -> None:
         """Copy ``(device, cpu)`` blocks to the CPU swap pool and ``(cpu, device)`` blocks back, and the
-        prefix-cache tier's saves and loads, every layer, every source read before any block is written.
+        KV tiers' copies, every layer, every source read before any block is written.
 
         NOTE: called before any other cache write of the step (see ``kvforge.rank.swap``).
         """
-        if swap_out or swap_in or tier_saves or tier_loads:
-            if (swap_out or swap_in) and self.swap_space is None:
+        copies = []
+        if swap_out or swap_in:
+            if self.swap_space is None:
                 raise ValueError("swap: no CPU swap pool (initialize_swap_space was not called)")
-            if (tier_saves or tier_loads) and self.kv_tier is None:
+            copies.append(StoreCopies(self.swap_space, outs=swap_out, ins=swap_in))
+        if tier:
+            if not self.kv_tier:
                 raise ValueError("kv tier: none sized (initialize_kv_tier was not called)")
-            transfer(self.kv_caches, [(pool, outs, ins) for pool, outs, ins in
-                                      ((self.swap_space, swap_out, swap_in), (self.kv_tier, tier_saves, tier_loads))
-                                      if pool is not None])
+            copies += tier_copies(self.kv_tier, tier)
+        transfer(self.kv_caches, copies)
 
     def prompt_logprobs_rows(self) -> int:
         """Prompt positions whose log-probabilities are computed at once (``kvforge.rank.prompt_logits``)."""
@@ -294,7 +308,7 @@ class Worker:
         """
         self.batch.apply(step)
         # even in a step with no batch
-        self.swap_blocks(step.blocks_to_swap_out, step.blocks_to_swap_in, step.tier_saves, step.tier_loads)
+        self.swap_blocks(step.blocks_to_swap_out, step.blocks_to_swap_in, step.tier)
         if not step.req_ids:
             return None
         model = _held(self.model, self.rank, RELEASED)

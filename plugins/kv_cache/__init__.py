@@ -10,3 +10,4 @@ def register_kv_cache_managers(register):
 @hookimpl
 def register_kv_connectors(register):
     register("cpu", "kvforge.plugins.kv_cache.cpu_tier:CPUConnector")
+    register("disk", "kvforge.plugins.kv_cache.disk_tier:DiskConnector")

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvforge.kv_cache import NULL_BLOCK, TIER_BLOCK, KVCacheManager, KVCacheStats, hash_block
-from kvforge.kv_tier import TierIndex
+from kvforge.kv_events import GPU, KVEventRecorder
+from kvforge.kv_tier import TierChain, TierCounts, TierTransfers
 from kvforge.request import Request
 
 
@@ -59,9 +60,17 @@ class PagedKVCacheManager(KVCacheManager):
         self.num_dropped: dict[str, int] = {}  # request -> its leading blocks given back (behind the window)
         self.tier_pending: dict[str, list[tuple[int, tuple[int, ...]]]] = {}  # request -> tier hits to load
         self.tier_hits = 0
+        self.hashed_now: set[int] = set()  # blocks hashed since the last step was taken: that step computes them
 
-    def attach_tier(self, tier: TierIndex) -> None:
+    def attach_tier(self, tier: TierChain) -> None:
         self.tier = tier
+        tier.events = self.events
+
+    def enable_kv_events(self) -> bool:
+        self.events = KVEventRecorder(self.block_size)
+        if self.tier is not None:
+            self.tier.events = self.events
+        return True
 
     # -- prefix cache ----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -113,9 +122,13 @@ class PagedKVCacheManager(KVCacheManager):
                 block.parent = (None if not i else table[i - 1] if table[i - 1] != NULL_BLOCK
                                 else self.cached.get(hashes[i - 1]))
                 self.cached[h] = block.block_id
+                if self.tier is not None:
+                    self.hashed_now.add(block.block_id)
+                if self.events is not None:
+                    self.events.stored(h, parent_hash, tokens, request.lora_int_id or None, GPU)
         self.num_hashed[rid] = max(start, num_tokens // bs)
 
-    def _load_from_tier(self, table: list[int], loads: list[tuple[int, tuple[int, ...]]]) -> None:
+    def _load_from_tier(self, table: list[int], loads: list[tuple[int, tuple[int, ...]]], lora_id: int) -> None:
         """Append a fresh device block for each ``(hash, tokens)`` the tier holds, cached again under its
         hash and loaded from the tier in the next step."""
         tier = self.tier
@@ -127,6 +140,9 @@ class PagedKVCacheManager(KVCacheManager):
                 block.hash, block.tokens = h, tokens
                 block.parent = table[-1] if table else None
                 self.cached[h] = block.block_id
+                if self.events is not None:
+                    parent_hash = self.blocks[block.parent].hash if block.parent is not None else None
+                    self.events.stored(h, parent_hash, tokens, lora_id or None, GPU)
             table.append(block.block_id)
             tier.load(h, block.block_id)
         tier.pinned = set()
@@ -136,6 +152,8 @@ class PagedKVCacheManager(KVCacheManager):
         if block.hash is not None:
             if self.cached.get(block.hash) == block.block_id:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.removed(block.hash, GPU)
             block.hash = block.tokens = block.parent = None
 
     # -- allocation ------------------------------------------------------------------------------
@@ -150,6 +168,8 @@ class PagedKVCacheManager(KVCacheManager):
         if self.sliding_window is not None and not first:
             self._drop_behind_window(rid, table, num_computed, self.sliding_window)
         loads = self.tier_pending.pop(rid, []) if TIER_BLOCK in computed_blocks else []
+        if loads and self.tier is not None and not self.tier.ready([h for h, _ in loads]):
+            return False  # a tier still reads them ahead (a disk): the request waits a step
         reviving = sum(1 for b in computed_blocks if b != TIER_BLOCK and self.blocks[b].ref_count == 0)
         need = -(-total // bs) - len(table) - len(computed_blocks)
         cow = self._needs_cow(table, num_computed) and num_new_tokens > 0
@@ -165,8 +185,11 @@ class PagedKVCacheManager(KVCacheManager):
                 del self.free_queue[b]
             block.ref_count += 1
             table.append(b)
+            if self.tier is not None and block.hash is not None and block.tokens is not None:
+                if b not in self.hashed_now:  # a hit: a disk tier keeps it too (once computed: an earlier step)
+                    self.tier.persist(block.hash, block.tokens, b)
         if loads:
-            self._load_from_tier(table, loads)
+            self._load_from_tier(table, loads, request.lora_int_id)
         if cow:
             self._copy_on_write(table, num_computed)
         for _ in range(max(need, 0)):
@@ -298,6 +321,10 @@ class PagedKVCacheManager(KVCacheManager):
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
+    def take_tier_transfers(self) -> TierTransfers | None:
+        self.hashed_now.clear()  # (their step is taken: a later step's copies read them computed)
+        return super().take_tier_transfers()
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies
@@ -307,21 +334,25 @@ class PagedKVCacheManager(KVCacheManager):
 
     def stats(self) -> KVCacheStats:
         free = len(self.free_queue)
+        tier = self.tier.counts() if self.tier is not None else TierCounts()
         return KVCacheStats(
             num_blocks=self.num_blocks, num_free_blocks=free, num_used_blocks=self.num_blocks - free,
             num_cached_blocks=len(self.cached), prefix_cache_queries=self.queries,
             prefix_cache_hits=self.hits, num_cow_copies=self.cow_copies, num_cpu_blocks=self.num_cpu_blocks,
             num_free_cpu_blocks=len(self.cpu_free), num_swapped_out_blocks=self.swapped_out,
-            num_swapped_in_blocks=self.swapped_in, tier_hits=self.tier_hits,
-            tier_stored_blocks=self.tier.stored if self.tier is not None else 0,
-            tier_slots=self.tier.num_slots if self.tier is not None else 0,
-            tier_held_blocks=len(self.tier.held) if self.tier is not None else 0)
+            num_swapped_in_blocks=self.swapped_in, tier_hits=self.tier_hits, tier_stored_blocks=tier.stored,
+            tier_slots=tier.slots, tier_held_blocks=tier.held, tier_held_by_tier=tier.held_by_tier,
+            tier_hits_by_tier={name: n * self.block_size for name, n in tier.loaded_by_tier.items()})
 
     def reset_prefix_cache(self) -> bool:
         if any(self.tables.values()):
             return False
+        events, self.events = self.events, None  # one AllBlocksCleared, not a BlockRemoved per block
         for block in self.blocks:
             self._evict(block)
         if self.tier is not None:
             self.tier.clear()
+        self.events = events
+        if events is not None:
+            events.cleared()
         return True

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvforge.kv_tier import TierTransfers
 from kvforge.lora.request import LoRARequest
 from kvforge.rank import messages
 from kvforge.rank.executor import Executor, RankCallError, check_calls, takes_typed_calls
@@ -45,7 +46,7 @@ TYPED_CALLS = [
     InitializeCache(64, 512, 8, 256),
     CaptureCudaGraphs(8, 256, (1, 4)),
     InitializeSwapSpace(0.25),
-    InitializeKVTier("cpu"),
+    InitializeKVTier(("cpu", "disk")),
     BatchState(),
     StartProfile(),
     StopProfile("/tmp/traces"),
@@ -95,7 +96,8 @@ def _random_step(rng: random.Random, live: list[str], next_id: list[int]) -> Ste
         # the late, rarely set fields: left off the wire at their defaults, kept when set (an empty mm_free too)
         mm_free=rng.choice([None, [], [7]]), rope_offsets=ints(-9, 0, n) if rng.random() < 0.2 else None,
         lookahead=ints(0, 5, n) if rng.random() < 0.2 else None,
-        tier_saves=[(3, 1)] if rng.random() < 0.2 else [], tier_loads=[(1, 4)] if rng.random() < 0.2 else [])
+        tier=TierTransfers(saves=[(0, 3, 1)], loads=[(1, -5, 4)], drops=[(1, 7)],
+                           tokens=[(1, 7, (1, 2))]) if rng.random() < 0.2 else None)
 
 
 @pytest.mark.parametrize("max_ids", [1 << 16, 5])

@@ -67,7 +67,9 @@ def test_metrics_show_modes_swaps_and_waiting_by_priority():
     from kvforge.server.metrics import ServerMetrics
 
     stats = {"num_running": 1, "num_waiting": 3, "kv_cache_usage": 0.5, "prefix_cache_queries": 0,
-             "prefix_cache_hits": 0, "prefix_cache_tier_hits": 0, "kv_tier_stored_blocks": 0, "num_preemptions": 5, "num_preemptions_recompute": 2,
+             "prefix_cache_hits": 0, "prefix_cache_tier_hits": 0, "kv_tier_stored_blocks": 0,
+             "prefix_cache_cpu_hits": 0, "prefix_cache_disk_hits": 0, "kv_tier_cpu_blocks": 0, "kv_tier_disk_blocks": 0,
+             "num_preemptions": 5, "num_preemptions_recompute": 2,
              "num_preemptions_swap": 3, "num_swapped_out_blocks": 7, "num_swapped": 1,
              "waiting_by_priority": {0: 1, 2: 2}, "num_prompt_tokens": 0, "num_generation_tokens": 0, "rank_batch_requests": [0, 2]}
     text = ServerMetrics(lambda: stats, "m").render().decode()

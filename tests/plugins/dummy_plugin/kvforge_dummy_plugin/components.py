@@ -3,14 +3,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.attention import PLAIN_LAYER
+from kvforge.attention import PLAIN_LAYER, as_bytes
 from kvforge.drafter import DraftBatch, Drafter, DraftProposal
 from kvforge.executor import UniExecutor
-from kvforge.kv_connector import KVConnector
+from kvforge.kv_connector import KVConnector, TierStore
 from kvforge.kv_tier import TierIndex
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
 from kvforge.quantization import LinearMethod, QuantizationMethod
+from kvforge.rank.swap import copy_blocks
 from kvforge.sampler import LogitsProcessor
 
 
@@ -223,8 +224,8 @@ class CountingTierOptions:
     max_slots: int = 0  # at most this many blocks a rank keeps (0: what gib holds)
 
 
-class _HostStore:
-    """A rank's blocks, plain host tensors in the layer cache's layout (what ``transfer`` needs)."""
+class _HostStore(TierStore):
+    """A rank's blocks, plain host tensors in the layer cache's layout, read and written one step at a time."""
 
     def __init__(self, attn, num_layers: int, slots: int):
         self.attn, self.num_layers, self.slots, self.caches = attn, num_layers, slots, []
@@ -235,11 +236,19 @@ class _HostStore:
             self.caches = [torch.zeros(shape, dtype=self.attn.kv_cache_dtype) for _ in range(self.num_layers)]
         return self.caches
 
+    def read(self, layer, keys, like):
+        block = like.new_empty((like.shape[0], len(keys), *like.shape[2:]))
+        copy_blocks(block, range(len(keys)), as_bytes(self.ready()[layer]), keys)
+        return block
+
+    def write(self, layer, keys, src, src_ids):
+        copy_blocks(as_bytes(self.ready()[layer]), keys, src, src_ids)
+
 
 class _CountingIndex(TierIndex):
-    def load(self, block_hash: int, device_block: int) -> None:
-        super().load(block_hash, device_block)
+    def take(self, block_hash: int) -> int:
         CountingTier.loads += 1
+        return super().take(block_hash)
 
 
 class CountingTier(KVConnector):
@@ -251,15 +260,15 @@ class CountingTier(KVConnector):
     Options = CountingTierOptions
     loads = 0  # blocks loaded, all instances
 
-    def __init__(self, *, gib: float = 0.0, max_slots: int = 0):
-        super().__init__(gib=gib)
+    def __init__(self, *, config, max_slots: int = 0):
+        super().__init__(config=config)
         self.max_slots = max_slots
 
     def slots(self, bytes_per_block: int) -> int:
-        n = int(self.gib * (1 << 30)) // bytes_per_block
+        n = int(self.config.kv_offload_cpu_gib * (1 << 30)) // bytes_per_block
         return min(n, self.max_slots) if self.max_slots else n
 
-    def store(self, attn, num_layers: int, slots: int) -> _HostStore:
+    def store(self, attn, num_layers: int, slots: int, rank: int) -> _HostStore:
         return _HostStore(attn, num_layers, slots)
 
     def index(self, slots: int) -> TierIndex:
