@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 import torch
@@ -86,15 +87,18 @@ class Sampler(ABC, Generic[SamplingStateT]):
     def target(self, logits: torch.Tensor, state: SamplingStateT) -> TargetDistribution:
         """The distribution :meth:`sample` would draw from at each row, for speculative decoding's
         rejection sampler (``kvforge.spec_decode.rejection_sampler``): greedy tokens, probabilities after every
-        transformation, rows with nothing to sample, and the seeded rows' generators. Rows may be
-        :class:`DraftRow` views. A sampler without it cannot be used with a drafter."""
+        transformation, rows with nothing to sample, and at the rows of seeded requests the very token
+        :meth:`sample` would draw there (keyed by seed and output position: ``kvforge.keyed_random``), which
+        verification compares the drafts with. Rows may be :class:`DraftRow` views. A sampler without it
+        cannot be used with a drafter."""
         raise NotImplementedError(f"sampler {self.name!r} does not implement target(), which speculative "
                                   "decoding needs")
 
     def reads_history(self, request: Request) -> bool:
-        """Whether this request's rows depend on its generated tokens (penalties, bad words...): if so,
-        the rows verifying its drafts are :class:`DraftRow` views, else the request itself. Default:
-        always (correct for any sampler; a sampler that knows better saves the views)."""
+        """Whether this request's rows depend on its generated tokens (penalties, bad words...) or on
+        their output position (a seeded draw, :func:`output_position`): if so, the rows verifying its
+        drafts are :class:`DraftRow` views, else the request itself. Default: always (correct for any
+        sampler; a sampler that knows better saves the views)."""
         return True
 
     def plain_greedy(self, request: Request) -> bool:
@@ -116,7 +120,11 @@ class DraftRow:
     def __init__(self, request: Request, draft_prefix: list[int]):
         self.request = request
         self.draft_prefix = draft_prefix
-        self.output_token_ids = request.output_token_ids + draft_prefix
+
+    @cached_property
+    def output_token_ids(self) -> list[int]:
+        # (built on first read: rows whose sampling reads no history, seeded ones, never copy the output)
+        return self.request.output_token_ids + self.draft_prefix
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -128,3 +136,13 @@ class DraftRow:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.request, name)
+
+
+def output_position(row: Request | DraftRow) -> int:
+    """The index in the request's output of the token a row samples: its tokens so far (a step in
+    flight's placeholder counts: that token comes first), plus the drafts before it for a
+    :class:`DraftRow`. Seeded draws are keyed by it, so the token at a position is the same whichever
+    step (plain, or verifying drafts) samples it."""
+    if isinstance(row, DraftRow):
+        return len(row.request.output_token_ids) + len(row.draft_prefix)
+    return len(row.output_token_ids)

@@ -193,6 +193,7 @@ CHECKED = [
     "cli.py",
     "config.py",
     "sampler.py",
+    "keyed_random.py",
     "engine/data_parallel.py",
     "engine/llm.py",
     "engine/structured_output.py",

@@ -223,7 +223,7 @@ class ModelRunner:
         packed = h2d(np.concatenate([index.ravel(), num_drafts, first]), torch.long, self.device)  # one copy
         tokens = row_ids[packed[:B * K]].view(B, K)
         return rejection_sample(target, tokens, packed[B * K:B * K + B], packed[B * K + B:],
-                                self._draft_probs(reqs, counts, tokens, K), host_first_row=first.tolist())
+                                self._draft_probs(reqs, counts, tokens, K))
 
     def _draft_probs(self, reqs: list, counts: list[int], tokens: torch.Tensor, K: int) -> torch.Tensor | None:
         """[B, K, vocab] q of every draft: the drafter's where it gave one, else one-hot at the draft."""

@@ -8,13 +8,21 @@ Each emitted token is then distributed as p (Leviathan et al., 2023; Chen et al.
 without probabilities is q = one-hot at its draft. Greedy rows accept a draft iff it is the argmax
 and emit the argmax at the first mismatch, so greedy output is token-for-token that of plain decoding.
 
-Everything is vectorised over the batch on the device; a request with a seed draws from its own
-generator (the same drafts give the same tokens on every run).
+Seeded requests are verified by coupling instead (Daliri et al., 2024, "drafter-invariant"
+speculative decoding): the sampler gives the token it would draw at each row, ``argmax(p / E)``
+with ``E`` keyed by the request's seed and the row's output position (``kvforge.keyed_random``);
+draft d_j is accepted iff it is that token, and the final token is that token at its row. So the
+token at every position is the one plain decoding draws there, whatever the drafts: a seeded
+request's output does not depend on the drafter, on k, on the policy or on the batch. Its
+distribution is p exactly (the exponential race over independent keys); the acceptance is the
+probability that the draft equals the target's draw: p(d) for one-hot drafts (as above), and
+at least (1 - TV) / (1 + TV) for a drafter that draws its drafts with the same keyed E.
+
+Everything is vectorised over the batch on the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,13 +34,17 @@ class TargetDistribution:
     """What the target wants at each sampled row, as the sampler computed it (``Sampler.target``).
 
     ``probs`` rows of greedy rows are not read; ``probs`` is None when every row is greedy.
+    NOTE: the rows of one request are all seeded or all not (the seed is the request's).
     """
 
     greedy_tokens: torch.Tensor  # [rows] int64: argmax of the processed logits
     sampleable: torch.Tensor  # [rows] bool: False where every logit is -inf or one is NaN
     greedy: torch.Tensor | None = None  # [rows] bool; None: every row greedy
     probs: torch.Tensor | None = None  # [rows, vocab] float32, the distribution to sample from
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> a seeded request's generator
+    seeded: torch.Tensor | None = None  # [rows] bool: rows of seeded sampled requests; None: none
+    # [rows] int64: at seeded rows, the token the sampler draws there (keyed by seed and output
+    # position); any value elsewhere
+    seeded_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,27 +67,23 @@ class VerifiedTokens:
 
 
 def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num_drafts: torch.Tensor | None = None,
-                     first_row: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None,
-                     host_first_row: Sequence[int] | None = None) -> VerifiedTokens:
+                     first_row: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> VerifiedTokens:
     """Verify the drafts of ``B`` requests.
 
     draft_tokens: [B, K] int64 (padding past a request's ``num_drafts`` is ignored).
     num_drafts: [B] int64, k_b in 0..K. first_row: [B] int64, the row of the request's first
     distribution; its rows are ``first_row[b] .. first_row[b] + k_b``. Both None: a uniform batch,
     every request with K drafts and rows ``b * (K + 1) ..`` (the layout of a CUDA-graph step).
-    draft_probs: [B, K, vocab] float32, q of each draft position; None means one-hot at the draft.
-    Seeded requests are those whose first row has a generator in ``target.generators``;
-    ``host_first_row``: ``first_row`` on the host, if the caller has it (else it is read back).
+    draft_probs: [B, K, vocab] float32, q of each draft position; None means one-hot at the draft
+    (seeded requests do not read it: they are verified by coupling, see the module's docstring).
     """
     if num_drafts is None and target.probs is None:
         return _greedy_uniform(target, draft_tokens)
     dev = draft_tokens.device
     B, K = draft_tokens.shape
-    host_first = host_first_row  # the first rows on the host, for the seeded requests' generators
     if num_drafts is None:
         num_drafts = torch.full((B,), K, dtype=torch.long, device=dev)
         first_row = torch.arange(B, device=dev) * (K + 1)
-        host_first = list(range(0, B * (K + 1), K + 1))
     elif first_row is None:
         raise ValueError("rejection_sample: num_drafts needs first_row (both None: a uniform batch)")
     # None greedy: every row greedy (and then probs is None too)
@@ -87,7 +95,6 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
     drafts = torch.where(valid, draft_tokens, 0)
     # a row with nothing to sample accepts no draft (its final token is then NO_TOKEN)
     greedy_match = (target.greedy_tokens[rows] == drafts) & target.sampleable[rows]  # [B, K]
-    seeded: list[tuple[int, torch.Generator]] = []
     if probs is None or greedy is None:
         accept = greedy_match
     else:
@@ -95,11 +102,11 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
         q = (draft_probs.gather(2, drafts[:, :, None]).squeeze(2) if draft_probs is not None
              else torch.ones_like(p))
         u = torch.rand(B, K, device=dev)
-        seeded = _seeded(target, first_row, host_first)
-        for b, gen in seeded:
-            u[b] = torch.rand(K, device=dev, generator=gen)
         # u < p / q, written without dividing: q > 0 wherever the draft was drawn from q
         accept = torch.where(greedy[rows], greedy_match, u * q < p)
+        if target.seeded is not None and target.seeded_tokens is not None:  # coupled: the draft is the draw
+            seeded_match = (target.seeded_tokens[rows] == drafts) & target.sampleable[rows]
+            accept = torch.where(target.seeded[rows], seeded_match, accept)
     accept &= valid
     run = accept.long().cumprod(dim=1)  # 1 while every draft so far was accepted
     num_accepted = run.sum(dim=1)
@@ -118,10 +125,12 @@ def rejection_sample(target: TargetDistribution, draft_tokens: torch.Tensor, num
             # NOTE: an all-zero residual (p == q) cannot be reached by a rejection; keep p there
             residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, dist)
             dist = torch.where(rejected[:, None], residual, dist)
-        noise = torch.empty_like(dist).exponential_()
-        for b, gen in seeded:
-            noise[b].exponential_(generator=gen)
-        sampled = (dist / noise).argmax(dim=1)
+        sampled = (dist / torch.empty_like(dist).exponential_()).argmax(dim=1)
+        if target.seeded is not None and target.seeded_tokens is not None:
+            # NOTE: a seeded request's final token is the sampler's keyed draw at its row: after a
+            # rejection it is not the draft (the draft was rejected for being other than it), so it is
+            # distributed as the residual of one-hot q, and as p after a full run (the bonus token)
+            sampled = torch.where(target.seeded[last], target.seeded_tokens[last], sampled)
         final = torch.where(greedy[last], final, sampled)
     final = torch.where(target.sampleable[last], final, NO_TOKEN)
     tokens = torch.full((B, K + 1), NO_TOKEN, dtype=torch.long, device=dev)
@@ -140,11 +149,3 @@ def _greedy_uniform(target: TargetDistribution, drafts: torch.Tensor) -> Verifie
     num_accepted = run.sum(dim=1)
     emitted = torch.cat([torch.ones_like(run[:, :1]), run], dim=1).bool()  # the run, then the final token
     return VerifiedTokens(torch.where(emitted, greedy, NO_TOKEN), num_accepted + 1, num_accepted)
-
-
-def _seeded(target: TargetDistribution, first_row: torch.Tensor,
-            host_first: Sequence[int] | None) -> list[tuple[int, torch.Generator]]:
-    if not target.generators:
-        return []
-    rows = host_first if host_first is not None else first_row.tolist()
-    return [(b, target.generators[r]) for b, r in enumerate(rows) if r in target.generators]

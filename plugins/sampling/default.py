@@ -4,22 +4,33 @@ Order, as vLLM's: masks (allowed tokens, bad words, ``min_tokens``, structured-o
 logit bias, registered logits processors, penalties (repetition, frequency, presence) on the raw
 logits, then temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of the
 processed logits. Sampling draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` (equivalent to
-drawing from ``probs``); rows with a seed draw ``E`` from their own generator, so a seeded request
-samples the same tokens whatever else shares its batch. Each feature's tensors are built only when
-some row in the step uses it.
+drawing from ``probs``). Unseeded rows take ``E`` from torch's global stream; rows with a seed
+take it keyed by (seed, output position) (``kvforge.keyed_random``): the token at a position is a
+function of the request alone, whatever else shares the batch and whichever step draws it (a plain
+step, or one verifying drafts: ``target`` gives the rejection sampler the same draw). Each
+feature's tensors are built only when some row in the step uses it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
+from kvforge.keyed_random import TOKEN, keyed_draw, keyed_exponentials, row_keys
 from kvforge.rank.input_buffers import h2d
 from kvforge.request import Request
-from kvforge.sampler import NO_TOKEN, LogitsProcessor, Sampler
+from kvforge.sampler import NO_TOKEN, LogitsProcessor, Sampler, output_position
 from kvforge.spec_decode.rejection_sampler import TargetDistribution
+
+
+class SeededRows(NamedTuple):
+    """The step's rows of seeded sampled requests and their draws' keys (``kvforge.keyed_random``)."""
+
+    rows: torch.Tensor  # [n] int64
+    keys: torch.Tensor  # [n] int64: row_keys(seed, output position, TOKEN)
+    every_row: bool  # every row of the step is one (no unkeyed draw needed)
 
 
 @dataclass
@@ -31,7 +42,7 @@ class Draw:
     top_k: torch.Tensor | None = None  # [rows] int64, vocab size where disabled
     top_p: torch.Tensor | None = None  # [rows] float32
     min_p: torch.Tensor | None = None  # [rows] float32
-    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (row, generator)
+    seeded: SeededRows | None = None  # None: no row has a seed
 
 
 class Penalties(NamedTuple):
@@ -66,10 +77,6 @@ class SamplingState:
 class DefaultSampler(Sampler[SamplingState]):
     name = "default"
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.generators: dict[str, torch.Generator] = {}
-
     # -- per step: gather parameters ----------------------------------------------------------------
     def prepare(self, requests: Sequence[Request]) -> SamplingState:
         params = [r.sampling_params for r in requests]
@@ -85,15 +92,9 @@ class DefaultSampler(Sampler[SamplingState]):
                 draw.top_p = h2d([p.top_p for p in params], torch.float32, dev)
             if any(p.min_p > 0.0 for p in params):
                 draw.min_p = h2d([p.min_p for p in params], torch.float32, dev)
-            for row, req in enumerate(requests):
-                seed = req.sampling_params.seed
-                if seed is not None and not greedy[row]:
-                    gen = self.generators.get(req.request_id)
-                    if gen is None:
-                        gen = torch.Generator(device=dev)
-                        gen.manual_seed(seed)
-                        self.generators[req.request_id] = gen
-                    draw.seeded.append((row, gen))
+            seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
+            if seeded:
+                draw.seeded = _seeded_rows(requests, seeded, dev)
         self._masks(requests, st)
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
             st.penalties = self._penalty_tensors(requests)
@@ -198,9 +199,13 @@ class DefaultSampler(Sampler[SamplingState]):
         if draw is None:  # every row is greedy
             return torch.where(sampleable, greedy_tokens, NO_TOKEN)
         probs = self._probs(logits, draw)
-        noise = torch.empty_like(probs).exponential_()
-        for row, gen in draw.seeded:
-            noise[row].exponential_(generator=gen)
+        seeded = draw.seeded
+        if seeded is not None and seeded.every_row:
+            noise = keyed_exponentials(seeded.keys, probs.shape[-1])
+        else:
+            noise = torch.empty_like(probs).exponential_()
+            if seeded is not None:
+                noise[seeded.rows] = keyed_exponentials(seeded.keys, probs.shape[-1])
         tokens = (probs / noise).argmax(dim=-1)
         if state.any_greedy:
             tokens = torch.where(draw.greedy, greedy_tokens, tokens)
@@ -212,7 +217,12 @@ class DefaultSampler(Sampler[SamplingState]):
         target = TargetDistribution(greedy_tokens, top > float("-inf"))
         draw = state.draw
         if draw is not None:
-            target.greedy, target.probs, target.generators = draw.greedy, self._probs(logits, draw), dict(draw.seeded)
+            target.greedy, target.probs = draw.greedy, self._probs(logits, draw)
+            if draw.seeded is not None:  # the tokens sample() would draw at the seeded rows
+                rows = draw.seeded.rows
+                target.seeded = torch.zeros_like(draw.greedy).index_fill_(0, rows, True)
+                target.seeded_tokens = greedy_tokens.index_copy(0, rows, keyed_draw(target.probs[rows],
+                                                                                    draw.seeded.keys))
         return target
 
     @staticmethod
@@ -227,19 +237,26 @@ class DefaultSampler(Sampler[SamplingState]):
         return probs
 
     def reads_history(self, request: Request) -> bool:
-        """Penalties, ``min_tokens``, bad words, logits processors and a grammar read the generated tokens."""
+        """Penalties, ``min_tokens``, bad words, logits processors and a grammar read the generated tokens;
+        a seeded draw reads the output position."""
         p = request.sampling_params
         return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens
-                    or request.bad_words_token_ids or p.logits_processors or request.grammar is not None)
+                    or request.bad_words_token_ids or p.logits_processors or request.grammar is not None
+                    or (p.seed is not None and not p.greedy))
 
     def plain_greedy(self, request: Request) -> bool:
         p = request.sampling_params
         return (p.greedy and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
                 and not self.reads_history(request))
 
-    def release(self, request_ids: Iterable[str]) -> None:
-        for rid in request_ids:
-            self.generators.pop(rid, None)
+
+def _seeded_rows(requests: Sequence[Request], rows: list[int], device: torch.device) -> SeededRows:
+    """The keys of the seeded rows' draws: (seed, output position, TOKEN), one copy to the device."""
+    seeds = [requests[i].sampling_params.seed or 0 for i in rows]
+    keys = row_keys(seeds, [output_position(requests[i]) for i in rows], TOKEN)
+    packed = h2d(np.concatenate([np.asarray(rows, dtype=np.int64), keys]), torch.long, device)
+    n = len(rows)
+    return SeededRows(packed[:n], packed[n:], n == len(requests))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

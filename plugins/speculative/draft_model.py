@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from kvforge.keyed_random import keyed_draw, row_keys
 from kvforge.model.loader import load_model_config, resolve_model_source
 from kvforge.plugin_manager import get_plugin_manager
 from kvforge.rank.batch_layout import lay_out_batch
@@ -72,7 +73,6 @@ class DraftModelDrafter(Drafter):
         self.staging: StagingBuffers | None = None  # one set per forward of a proposal (its k forwards)
         self.max_blocks = 0
         self.computed: dict[str, tuple[int, int]] = {}  # request -> (tokens with draft K/V, its preemptions then)
-        self.generators: dict[str, torch.Generator] = {}
         logger.info("draft model %s (%d layers) on attention backend %s", src.name, mc.num_hidden_layers,
                     built.attn_name)
 
@@ -99,7 +99,6 @@ class DraftModelDrafter(Drafter):
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.computed.pop(rid, None)
-            self.generators.pop(rid, None)
 
     def shutdown(self) -> None:
         self.graphs = self.model = None  # the graphs (and their memory pool) first: they hold the model's tensors
@@ -216,23 +215,16 @@ class DraftModelDrafter(Drafter):
             rows = h2d(sampled, torch.long, self.device)
             temps = h2d([reqs[i].sampling_params.temperature for i in sampled], torch.float32, self.device)
             probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)
-            noise = torch.empty_like(probs).exponential_()
-            for row, i in enumerate(sampled):
-                gen = self._generator(reqs[i])
-                if gen is not None:
-                    noise[row].exponential_(generator=gen)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+            seeded = [n for n, i in enumerate(sampled) if reqs[i].sampling_params.seed is not None]
+            if seeded:
+                # NOTE: a seeded request drafts with the target's own keyed noise at the draft's output
+                # position (kvforge.keyed_random): the draft then couples with the token the target draws
+                # there, which verification accepts (docs/speculative.md, coupled verification)
+                keys = row_keys([reqs[sampled[n]].sampling_params.seed or 0 for n in seeded],
+                                [len(reqs[sampled[n]].output_token_ids) + len(qs[sampled[n]]) for n in seeded])
+                at = h2d(seeded, torch.long, self.device)
+                tokens[rows[at]] = keyed_draw(probs[at], h2d(keys, torch.long, self.device))
             for row, i in enumerate(sampled):
                 qs[i].append(probs[row])
         return tokens
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        """Seeded requests draft from their own stream, so their drafts (and outputs) repeat run to run."""
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = self.generators[req.request_id] = torch.Generator(device=self.device)
-            gen.manual_seed((seed + 0x5EED) % 2 ** 64)
-        return gen

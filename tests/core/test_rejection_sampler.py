@@ -1,9 +1,11 @@
 """The rejection sampler keeps the target distribution exactly (docs/speculative.md#verification)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from kvforge.keyed_random import TOKEN, keyed_draw, row_keys
 from kvforge.sampler import NO_TOKEN
 from kvforge.spec_decode.rejection_sampler import TargetDistribution, rejection_sample
 
@@ -88,18 +90,53 @@ def test_a_row_with_nothing_to_sample_ends_in_no_token():
     assert out.tokens[0, :2].tolist() == [3, NO_TOKEN] and out.num_emitted.item() == 2
 
 
-def test_seeded_requests_draw_the_same_tokens_every_time():
-    q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
-    target, drafts, nd, first, dp = _batch(q, 3)
-    n = 64
-    runs = []
-    for _ in range(2):
-        gens = {int(first[b]): torch.Generator().manual_seed(1000 + b) for b in range(n)}
-        t = TargetDistribution(target.greedy_tokens[:n * 4], target.sampleable[:n * 4], target.greedy[:n * 4],
-                               target.probs[:n * 4], gens)
-        torch.manual_seed(len(runs) + 7)  # the unseeded stream differs between the runs
-        runs.append(rejection_sample(t, drafts[:n], nd[:n], first[:n], dp[:n]).tokens)
-    assert torch.equal(runs[0], runs[1])
+def _seeded(target: TargetDistribution, k: int) -> TargetDistribution:
+    """``target`` with every request seeded (request b's seed is b), as ``DefaultSampler.target`` makes
+    it: at row j of a request, the keyed draw at output position j."""
+    rows = len(target.greedy_tokens)
+    b, j = np.divmod(np.arange(rows), k + 1)
+    keys = torch.from_numpy(row_keys(b.tolist(), j, TOKEN))
+    target.seeded = torch.ones(rows, dtype=torch.bool)
+    target.seeded_tokens = keyed_draw(target.probs, keys)
+    return target
+
+
+@pytest.mark.parametrize("name,q", [
+    ("one-hot", None),
+    ("q close to p", torch.tensor([0.25, 0.25, 0.20, 0.10, 0.10, 0.10])),
+    ("q far from p", torch.tensor([0.02, 0.02, 0.02, 0.02, 0.02, 0.90])),
+])
+def test_seeded_requests_emit_the_keyed_draws_which_follow_the_target(name, q):
+    """Coupled verification: over N seeds, the emitted tokens follow p at each position (they are the
+    keyed draws, whatever the drafts), and a draft d is accepted with probability p(d)."""
+    target, drafts, nd, first, dp = _batch(q, 2, draft=1)
+    target = _seeded(target, 2)
+    out = rejection_sample(target, drafts, nd, first, dp)
+    keyed = target.seeded_tokens.view(N, 3)
+    emitted = torch.arange(3)[None, :] < out.num_emitted[:, None]
+    assert torch.equal(torch.where(emitted, out.tokens, NO_TOKEN), torch.where(emitted, keyed, NO_TOKEN))
+    assert _tv(out.tokens[:, 0], P) < TV_BOUND
+    second = out.tokens[out.num_emitted >= 2, 1]
+    assert len(second) > 1000 and _tv(second, P) < 3 * TV_BOUND
+    accepted = (out.num_accepted >= 1).float().mean().item()
+    want = P[1].item() if q is None else (q * P).sum().item()  # P(draft == the keyed draw)
+    assert abs(accepted - want) < 0.01
+
+
+def test_seeded_requests_emit_the_same_tokens_whatever_the_drafts():
+    """Drafter invariance: perfect drafts (the keyed draws themselves) are all accepted, random ones
+    mostly not, and both runs emit the keyed draws, position for position."""
+    k, n = 3, 4096
+    target, _, nd, first, _ = _batch(None, k, draft=0)
+    target = _seeded(TargetDistribution(target.greedy_tokens[:n * 4], target.sampleable[:n * 4],
+                                        target.greedy[:n * 4], target.probs[:n * 4]), k)
+    keyed = target.seeded_tokens.view(n, k + 1)
+    perfect = rejection_sample(target, keyed[:, :k].contiguous(), nd[:n], first[:n])
+    assert (perfect.num_accepted == k).all() and torch.equal(perfect.tokens, keyed)
+    torch.manual_seed(1)
+    random = rejection_sample(target, torch.randint(0, V, (n, k)), nd[:n], first[:n])
+    emitted = torch.arange(k + 1)[None, :] < random.num_emitted[:, None]
+    assert torch.equal(random.tokens[emitted], keyed[emitted]) and (random.num_accepted < k).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("greedy", [True, False])
