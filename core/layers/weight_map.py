@@ -26,8 +26,10 @@ KV_SCALE_NAMES: dict[str, tuple[str, ...]] = {
 }
 #: checkpoint tensors that hold nothing to load (RoPE buffers, recomputed)
 ROPE_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-#: one expert's projection of an MoE layer: "model.layers.3.mlp.experts.7.gate_proj.weight"
-EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|bias)$")
+#: one expert's projection of an MoE layer: "model.layers.3.mlp.experts.7.gate_proj.weight", or a quantized
+#: checkpoint's scale of it ("...gate_proj.weight_scale_inv": the FusedMoE parameter ``w13_weight_scale_inv``)
+EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\."
+                         r"(?P<leaf>weight|bias|weight_scale|weight_scale_inv)$")
 
 
 class KVScaleSink(Protocol):
@@ -84,7 +86,8 @@ class WeightMap:
         if expert is not None and expert["proj"] in self.expert_projections:
             shard = self.expert_projections[expert["proj"]]
             param = f"{expert['experts']}.{'w13' if shard in ('w1', 'w3') else 'w2'}"
-            return param + ("_bias" if expert["leaf"] == "bias" else ""), (int(expert["e"]), shard)
+            leaf = expert["leaf"]
+            return param + ("" if leaf == "weight" else f"_{leaf}"), (int(expert["e"]), shard)
         parent, _, module = prefix.rpartition(".")
         if module in self.fused:
             fused, shard = self.fused[module]

@@ -7,8 +7,8 @@ biases and a clamped SwiGLU (``(up + 1) * gate * sigmoid(1.702 * gate)``, both c
 ``swiglu_limit``). The checkpoint stacks the experts: ``experts.gate_up_proj`` [E, H, 2I] with gate and
 up interleaved by column, ``experts.down_proj`` [E, I, H]; :class:`kvforge.layers.moe.FusedMoE` loads
 them into its [E, 2I, H] / [E, H, I] layout (:data:`GPT_OSS_WEIGHTS`). The released checkpoints hold the
-experts in MXFP4 (``quantization_config.quant_method == "mxfp4"``), which kvforge does not load yet: the
-bf16 ones do.
+experts in MXFP4 (``quantization_config.quant_method == "mxfp4"``, ``experts.gate_up_proj_blocks`` /
+``_scales``...), loaded by ``kvforge.plugins.quantization.mxfp4``.
 """
 from __future__ import annotations
 
@@ -102,7 +102,11 @@ class GptOssModel(LlamaModel):
 #: Llama's names, and the stacked expert tensors -> (FusedMoE parameter, how its loader reads them)
 GPT_OSS_WEIGHTS = dataclasses.replace(LLAMA_WEIGHTS, stacked_experts={
     "gate_up_proj": ("w13", "w13_interleaved"), "gate_up_proj_bias": ("w13_bias", "w13_interleaved"),
-    "down_proj": ("w2", "w2_transposed"), "down_proj_bias": ("w2_bias", "w2_transposed")})
+    "down_proj": ("w2", "w2_transposed"), "down_proj_bias": ("w2_bias", "w2_transposed"),
+    # MXFP4 checkpoints (kvforge.plugins.quantization.mxfp4): [E, 2I, H / 32, 16] rows interleaved, [E, H, I / 32, 16]
+    "gate_up_proj_blocks": ("w13_blocks", "w13_interleaved_rows"),
+    "gate_up_proj_scales": ("w13_scales", "w13_interleaved_rows"),
+    "down_proj_blocks": ("w2_blocks", "w2_stacked"), "down_proj_scales": ("w2_scales", "w2_stacked")})
 
 GPT_OSS_PRESETS: dict[str, ModelConfig] = {
     "gpt-oss-20b": GptOssConfig(  # openai/gpt-oss-20b's config.json
@@ -122,8 +126,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     weight_map = GPT_OSS_WEIGHTS
     config_class = GptOssConfig
     family = ModelFamily(model_types={"gpt_oss": "GptOssForCausalLM"}, presets=GPT_OSS_PRESETS)
-    capabilities = ModelCapabilities(sliding_window=True, moe=True, quantization=False,
-                                     notes="attention sinks (triton, torch, FA4); MXFP4 checkpoints refused")
+    capabilities = ModelCapabilities(sliding_window=True, moe=True, quantization=True,
+                                     notes="attention sinks (triton, torch, FA4); MXFP4 and fp8 experts")
 
     @classmethod
     def config_from_hf(cls, fields: ConfigFields, hf: HFConfig) -> GptOssConfig:

@@ -82,8 +82,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     weight_map = dataclasses.replace(LLAMA_WEIGHTS, renames=((".block_sparse_moe.", ".mlp."),),
                                      expert_projections={"w1": "w1", "w3": "w3", "w2": "w2"})
     family = ModelFamily(model_types={"mixtral": "MixtralForCausalLM"})
-    capabilities = ModelCapabilities(sliding_window=True, moe=True, quantization=False,
-                                     notes="experts sharded over tensor-parallel ranks; quantized MoE refused")
+    capabilities = ModelCapabilities(sliding_window=True, moe=True, quantization=True,
+                                     notes="experts sharded over tensor-parallel ranks; fp8 experts")
 
     @classmethod
     def config_from_hf(cls, fields: ConfigFields, hf: HFConfig) -> ModelConfig:
@@ -123,8 +123,9 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     model_cls = QwenMoeModel
     family = ModelFamily(model_types={"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
                          presets=QWEN_MOE_PRESETS)
-    capabilities = ModelCapabilities(sliding_window=True, moe=True, quantization=False,
-                                     notes="shared expert (Qwen2-MoE), q/k norms (Qwen3-MoE); quantized MoE refused")
+    capabilities = ModelCapabilities(sliding_window=True, moe=True, quantization=True,
+                                     notes="shared expert (Qwen2-MoE), q/k norms (Qwen3-MoE); fp8 experts (block FP8 "
+                                           "checkpoints)")
 
     @classmethod
     def config_from_hf(cls, fields: ConfigFields, hf: HFConfig) -> ModelConfig:

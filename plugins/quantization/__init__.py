@@ -1,5 +1,5 @@
 """Built-in quantization methods (docs/quantization.md): ``fp8`` and ``int4`` quantize an unquantized
-checkpoint on load; ``fp8``, ``awq``, ``gptq`` and ``compressed-tensors`` load pre-quantized ones."""
+checkpoint on load; ``fp8``, ``awq``, ``gptq``, ``mxfp4`` and ``compressed-tensors`` load pre-quantized ones."""
 import kvforge
 
 
@@ -9,4 +9,5 @@ def register_quantization_methods(register):
     register("int4", "kvforge.plugins.quantization.int4:Int4Quantization")
     register("awq", "kvforge.plugins.quantization.awq:AwqQuantization")
     register("gptq", "kvforge.plugins.quantization.gptq:GptqQuantization")
+    register("mxfp4", "kvforge.plugins.quantization.mxfp4:Mxfp4Quantization")
     register("compressed-tensors", "kvforge.plugins.quantization.compressed_tensors:CompressedTensorsQuantization")

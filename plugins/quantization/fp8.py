@@ -34,7 +34,7 @@ from torch import nn
 from kvforge.kernels import runs_on
 from kvforge.layers.linear import ColumnParallelLinear, LinearBase
 from kvforge.layers.weights import ShardId, WeightLoader
-from kvforge.model.quantization import LinearMethod, QuantizationMethod, ignored
+from kvforge.model.quantization import LinearMethod, MoEMethod, QuantizationMethod, ignored
 from kvforge.plugins.quantization.linear_layer import keep_when_random, linear_layer
 
 if TYPE_CHECKING:
@@ -271,10 +271,12 @@ class Fp8Quantization(QuantizationMethod):
             raise ValueError(f"fp8 option 'gemm' is {gemm!r}; choose one of {', '.join(GEMMS)}")
         self.gemm = gemm
         qc = self.checkpoint_config or {}
-        if qc.get("weight_block_size"):
-            raise ValueError(f"quantization_config field 'weight_block_size' is {qc['weight_block_size']}: "
-                             "block-wise FP8 checkpoints are not supported; supported: per-tensor and "
-                             "per-channel FP8 weight scales")
+        block = qc.get("weight_block_size")
+        if block is not None and (not isinstance(block, list) or len(block) != 2
+                                  or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config field 'weight_block_size' is {block!r}; expected two positive "
+                             "integers, [rows, columns] (e.g. [128, 128])")
+        self.block = (block[0], block[1]) if block else None
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise ValueError(f"quantization_config field 'activation_scheme' is {scheme!r}; "
@@ -287,4 +289,20 @@ class Fp8Quantization(QuantizationMethod):
         checkpoint = self.checkpoint_config is not None
         if checkpoint and ignored(names, self.skip, self.skip_field, exact=self.skip_field == "ignored_layers"):
             return None
+        if self.block is not None:
+            from kvforge.plugins.quantization.fp8_moe import Fp8BlockLinearMethod
+
+            return Fp8BlockLinearMethod(self.block)
         return Fp8LinearMethod(self.gemm, checkpoint=checkpoint, static=self.static)
+
+    def moe_method(self, layer: nn.Module) -> MoEMethod | None:
+        """FP8 experts (``kvforge.plugins.quantization.fp8_moe``): quantized on load, or a checkpoint's
+        block or per-tensor scales; weight-only (static activation scales are refused)."""
+        from kvforge.plugins.quantization.fp8_moe import Fp8MoEMethod
+
+        if self.checkpoint_config is None:
+            return Fp8MoEMethod("on_load")
+        if self.static:
+            raise ValueError("quantization_config field 'activation_scheme' is 'static': static activation "
+                             "scales are not supported for mixture-of-experts layers; supported: dynamic")
+        return Fp8MoEMethod("block", self.block) if self.block else Fp8MoEMethod("tensor")

@@ -152,19 +152,19 @@ def _config_dir(tmp_path, qc: dict) -> str:
     ({"quant_method": "bitsandbytes"}, None,
      # (an installed plugin's formats join the list: the dummy plugin's dummy_int8 when another test loaded it)
      "quant_method 'bitsandbytes', which no registered quantization method loads; supported: awq, "
-     "compressed-tensors, (dummy_int8, )?fp8, gptq$"),
+     "compressed-tensors, (dummy_int8, )?fp8, gptq, mxfp4$"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None, "'version' is 'gemv'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, None, "'desc_act' is true"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, None, "'bits' is 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 96}, None, "'group_size' is 96; supported: 32, 64, 128"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-wise FP8 checkpoints are not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, None, r"'weight_block_size' is \[128\]; expected two"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128}, "fp8",
      "quantization='fp8' cannot load this checkpoint: its config.json quantization_config has quant_method 'awq'"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}}, None,
      "config_groups.group_0 .*is not supported; supported: FP8 W8A8"),
-], ids=["unknown-method", "awq-gemv", "gptq-act-order", "gptq-8-bit", "gptq-group-96", "fp8-block",
+], ids=["unknown-method", "awq-gemv", "gptq-act-order", "gptq-8-bit", "gptq-group-96", "fp8-block-malformed",
         "method-mismatch", "ct-int8"])
 def test_unsupported_checkpoints_are_refused_naming_the_field(tmp_path, qc, quant, message):
     with pytest.raises(ValueError, match=message):

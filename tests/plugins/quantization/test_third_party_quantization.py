@@ -64,3 +64,35 @@ def test_third_party_pre_quantized_checkpoint_loads_as_its_on_load_twin(dummy_pl
     a = stored.generate(ids, params, use_tqdm=False)[0].prompt_logprobs[1:]
     b = on_load.generate(ids, params, use_tqdm=False)[0].prompt_logprobs[1:]
     assert [{t: lp.logprob for t, lp in pos.items()} for pos in a] == [{t: lp.logprob for t, lp in pos.items()} for pos in b]
+
+
+def test_third_party_quantized_experts_through_moe_method(dummy_plugin_installed, tmp_path):
+    """The plugin's ``moe_method`` holds a Qwen3-MoE's experts in int8 (the contract: create, process, apply),
+    and its log-probabilities stay within int8's rounding of the float32 model's."""
+    from kvforge_dummy_plugin.components import Int8WeightOnly
+
+    from model_architectures import build
+
+    build("qwen3-moe", str(tmp_path))
+    engine = dict(device="cpu", dtype="float32", num_gpu_blocks_override=16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [3, 14, 15, 92, 65]}, {"prompt_token_ids": [27, 18, 28]}]
+    ref = LLM(model=str(tmp_path), **engine)
+    try:
+        want = ref.generate(prompts, params, use_tqdm=False)
+    finally:
+        ref.shutdown()
+    llm = LLM(model=str(tmp_path), quantization="dummy_int8", **engine)
+    try:
+        experts = llm.llm_engine.executor.driver.model.model.layers[0].mlp.experts
+        assert experts.w13.dtype == torch.int8 and experts.w2_scale.shape == (4, 64, 1)
+        applied = Int8WeightOnly.applied
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert Int8WeightOnly.applied - applied >= 8 * 2  # every step's experts, both layers
+    finally:
+        llm.shutdown()
+    for g, w in zip(got, want):
+        ours, theirs = g.outputs[0], w.outputs[0]
+        assert ours.token_ids[:4] == theirs.token_ids[:4]
+        steps = zip(ours.logprobs[:4], theirs.logprobs[:4], theirs.token_ids[:4])
+        assert max(abs(a[t].logprob - b[t].logprob) for a, b, t in steps) < 0.02

@@ -10,7 +10,7 @@ from kvforge.kv_connector import KVConnector, TierStore
 from kvforge.kv_tier import TierIndex
 from kvforge.plugins.attention.torch_backend import TorchAttentionBackend
 from kvforge.plugins.scheduling.fcfs import FCFSScheduler
-from kvforge.quantization import LinearMethod, QuantizationMethod
+from kvforge.quantization import LinearMethod, MoEMethod, QuantizationMethod
 from kvforge.rank.swap import copy_blocks
 from kvforge.sampler import LogitsProcessor
 
@@ -196,6 +196,33 @@ class _Int8Linear(LinearMethod):
         return (x.float() @ (layer.weight.float() * layer.weight_scale).t()).to(x.dtype)
 
 
+class _Int8Experts(MoEMethod):
+    """An MoE layer's experts in int8, a scale per expert row, quantized once loaded: the contract only
+    (the layer's ``w13`` [E, 2I, H] / ``w2`` [E, H, I] load as they are, then are replaced)."""
+
+    def create_weights(self, layer):
+        pass  # the model-dtype experts load through the layer's own loaders
+
+    def process_weights_after_loading(self, layer):
+        Int8WeightOnly.processed += 1
+        for name in ("w13", "w2"):
+            w = getattr(layer, name).data.float()
+            scale = (w.abs().amax(dim=2, keepdim=True) / 127).clamp(min=1e-12)  # [E, rows, 1]
+            setattr(layer, name, torch.nn.Parameter((w / scale).round().to(torch.int8), requires_grad=False))
+            setattr(layer, f"{name}_scale", torch.nn.Parameter(scale, requires_grad=False))
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        from kvforge.layers.fused_moe import fused_experts
+
+        Int8WeightOnly.applied += 1
+        w13, w2 = layer.w13.float() * layer.w13_scale, layer.w2.float() * layer.w2_scale
+        b13 = layer.w13_bias.float() if layer.w13_bias is not None else None
+        b2 = layer.w2_bias.float() if layer.w2_bias is not None and layer.tp.rank == 0 else None
+        return fused_experts(x.float(), w13, w2, topk_weights, topk_ids, activation=layer.activation,
+                             w13_bias=b13, w2_bias=b2, swiglu_alpha=layer.swiglu_alpha,
+                             swiglu_limit=layer.swiglu_limit).to(x.dtype)
+
+
 @dataclass
 class Int8Options:
     skip: str = ""  # layers whose class name is this stay in the model dtype
@@ -216,6 +243,11 @@ class Int8WeightOnly(QuantizationMethod):
 
     def linear_method(self, layer, names):
         return None if type(layer).__name__ == self.skip else _Int8Linear(self.checkpoint_config is not None)
+
+    def moe_method(self, layer):
+        if self.checkpoint_config is not None:
+            raise ValueError("dummy_int8 checkpoints store no experts; quantize an MoE model on load")
+        return None if type(layer).__name__ == self.skip else _Int8Experts()
 
 
 
