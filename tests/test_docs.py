@@ -107,3 +107,23 @@ def test_server_md_lists_every_metric():
     documented = set(re.findall(r"^\| `(kvforge:\w+)` \|", table, re.M))
     assert documented == exposed, (f"docs/server.md's metrics are stale: missing {sorted(exposed - documented)}, "
                                    f"not exposed {sorted(documented - exposed)}")
+
+
+def test_plugins_md_lists_every_built_in_drafter_with_its_class_and_options():
+    from kvforge.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    builtin = {n for n in pm.names("drafter") if pm.registries["drafter"].plugin_of(n) == "speculative"}
+    rows = {}
+    for line in (DOCS / "plugins.md").read_text().splitlines():
+        if line.startswith("| drafter"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[1].strip("`")] = cells[2]
+    assert set(rows) == builtin, f"docs/plugins.md's drafters: missing {sorted(builtin - set(rows))}, not built in " \
+                                 f"{sorted(set(rows) - builtin)}"
+    for name, cell in rows.items():
+        cls = pm.get("drafter", name)
+        assert cell.startswith(f"`{cls.__module__}:{cls.__name__}`"), f"{name}: {cell}"
+        options = {f.name for f in dataclasses.fields(cls.Options)} if hasattr(cls, "Options") else set()
+        listed = set(re.findall(r"`(\w+)`", cell.split("option", 1)[1].split(";")[0])) if "option" in cell else set()
+        assert listed == options, f"{name}: docs/plugins.md lists options {sorted(listed)}, its Options has {sorted(options)}"

@@ -118,6 +118,7 @@ class LLMEngine:
         self.spec = SpecDecoder.build(pm, config, sampler, vocab_size=mc.vocab_size, device=self.device,
                                       dtype=self.dtype)
         if self.spec is not None:
+            self.spec.attach(self.runner, config, mc)  # (a drafter that reads hidden states has them captured)
             driver.extra_bytes_per_block = self.spec.kv_bytes_per_block
 
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -219,7 +220,7 @@ class LLMEngine:
         if driver is not None:
             driver.release()
         if self.spec is not None:
-            self.spec.drafter.shutdown()
+            self.spec.shutdown()
         self._pipeline.clear()  # steps in flight hold device tensors, as does the last one's output
         self.last_runner_output = ModelRunnerOutput()
         # a driver stuck in a collective of a dead rank: its device's work never ends, do not wait for it

@@ -105,6 +105,9 @@ class CausalLM(Protocol):
       ``config.json`` dict / ``kvforge.model.config.GGUFMetadata`` into the family's config; the default
       is ``config_class(**fields)``.
     - ``attention_features(config)``: a classmethod (:func:`attention_features`).
+    - ``capture_hidden_states(capture)``: from then on every forward writes the layers of a
+      ``kvforge.model.hidden_capture.HiddenStateCapture`` (ids as transformers' ``output_hidden_states``)
+      into its static buffer, CUDA graphs included; None stops. EAGLE heads need it (docs/models.md).
     """
 
     def __init__(self, config: ModelConfig, attn: AttentionBackend) -> None: ...

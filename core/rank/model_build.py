@@ -11,7 +11,7 @@ type, the ``[plugins.<name>]`` options of the engine's config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, cast
+from typing import Any, Mapping, Protocol, cast
 
 import torch
 
@@ -105,11 +105,20 @@ def build_model(pm: PluginManager, source: ModelSource, mc: ModelConfig, *, atte
     name, cls = select_backend(pm, attention_backend, mc, device=device, dtype=dtype, block_size=block_size,
                                kv_cache_dtype=kv_cache_dtype)
     options = build_options(cls, name, plugin_options.get(name, {})) if plugin_options is not None else {}
-    shard = parallel_state.head_shard(mc.num_attention_heads, mc.num_key_value_heads, group.size, group.rank)
-    attn_kwargs = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype is not None else {}
-    attn: AttentionBackend = cls(num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim,
-                                 scale=mc.attention_scale, block_size=block_size, dtype=dtype, device=device,
-                                 **attn_kwargs, **options)
+    attn = make_attention(cls, mc, device=device, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                          group=group, options=options)
     with parallel_state.building(group, stage):
         module = load_model(source, mc, attn, dtype, device, seed=seed, quant=quant)
     return BuiltModel(module, attn, name, cls, quant)
+
+
+def make_attention(cls: type[AttentionBackend], mc: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+                   block_size: int, kv_cache_dtype: torch.dtype | None = None, group: TPGroup = SINGLE,
+                   options: Mapping[str, Any] | None = None) -> AttentionBackend:
+    """The backend ``cls`` for ``group``'s share of ``mc``'s heads (a drafter's head that is no registered
+    model builds its own this way, after ``kvforge.builder.select_attention_backend``)."""
+    shard = parallel_state.head_shard(mc.num_attention_heads, mc.num_key_value_heads, group.size, group.rank)
+    attn_kwargs = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype is not None else {}
+    return cls(num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, head_size=mc.head_dim,
+               scale=mc.attention_scale, block_size=block_size, dtype=dtype, device=device,
+               **attn_kwargs, **dict(options or {}))

@@ -44,6 +44,9 @@ class ModelRunner:
         multimodal = model is not None and bool(capabilities_of(type(model)).modalities)
         self.builder = StepInputBuilder(lora=self.worker.lora is not None, multimodal=multimodal)
         self.num_graph_verifications = 0  # steps whose drafts a CUDA graph verified (greedy, CUDAGraphRunner.head)
+        #: called with every step that ran a forward, once its sampling is queued (a drafter that reads the
+        #: target's hidden states: ``kvforge.spec_decode.decoder.SpecDecoder.attach``)
+        self.step_observer: Callable[[StepInput, StepPlan, SchedulerOutput, ForwardOutput, StepHandle], None] | None = None
 
     # the driver worker's parts (tools and tests read them here)
     @property
@@ -97,6 +100,8 @@ class ModelRunner:
         if plan.sample_reqs:
             self._tokens(fwd, step, plan, out, handle)
         handle.finish()
+        if self.step_observer is not None:  # (after finish: the step's results do not wait for its work)
+            self.step_observer(step, plan, out, fwd, handle)
         return handle
 
     def _tokens(self, fwd: ForwardOutput, step: StepInput, plan: StepPlan, out: SchedulerOutput,

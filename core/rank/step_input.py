@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvforge.attention import BatchLayout
 from kvforge.kv_cache import KVCacheManager
 from kvforge.kv_tier import TierTransfers
 from kvforge.multimodal.encoder_cache import EncoderCachePlan
@@ -89,6 +90,10 @@ class ForwardOutput:
     sample_rows: torch.Tensor | None  # the sampled rows, None when they are rows 0 .. n - 1
     logits: torch.Tensor | None  # float32 [num_sample_rows, vocab]
     head: torch.Tensor | None  # a verification graph's greedy verification
+    #: the step's layout (graph-padded) and positions [rows], for a drafter that reads hidden states
+    #: (``kvforge.spec_decode.target_states``)
+    layout: BatchLayout | None = None
+    positions: torch.Tensor | None = None
 
 
 @dataclass

@@ -343,7 +343,7 @@ class Worker:
             rows = buf.tensors["sample_rows"][:n].to(self.device, non_blocking=True)
         if n and step.compute_logits:
             logits = model.compute_logits(hidden[:n] if rows is None else hidden[rows]).float()
-        return ForwardOutput(buf, ids_dev, rows, logits, head)
+        return ForwardOutput(buf, ids_dev, rows, logits, head, layout, pos_dev)
 
     def _lay_out_step(self, step: StepInput, graphs: CUDAGraphRunner | None) -> tuple[HostInputs, BatchLayout]:
         """The step's layout in the next staging set (``kvforge.rank.batch_layout.lay_out_step``)."""

@@ -5,22 +5,32 @@ to the policy and the counters (docs/speculative.md).
 The engine owns one :class:`SpecDecoder` when speculation is configured and calls it at three
 points of a step: after scheduling (:meth:`scheduled`), when deciding whether the step may stay in
 flight (:meth:`next_num_drafts`), and after applying a step (:meth:`record`, then :meth:`propose`).
+Once, before the KV pool is sized, :meth:`attach` hands the drafter the target model; a drafter that
+reads hidden states (EAGLE) then gets every step's, from the runner (:meth:`observe_step`).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import AbstractSet, Any
+from typing import AbstractSet, Any, cast
 
 import torch
 
 from kvforge.config import EngineConfig, build_options
 from kvforge.kv_cache import KVCacheManager
+from kvforge.model import hidden_capture
+from kvforge.model.config import ModelConfig
+from kvforge.model.hidden_capture import HiddenStateCapture
+from kvforge.rank.cuda_graphs import MAX_SPEC_GRAPH_TOKENS, capture_sizes
+from kvforge.rank.model_runner import ModelRunner
+from kvforge.rank.step_handle import StepHandle
+from kvforge.rank.step_input import ForwardOutput, StepInput, StepPlan
 from kvforge.request import Request
 from kvforge.sampler import Sampler
 from kvforge.scheduler import SchedulerOutput
-from kvforge.spec_decode.drafter import DraftBatch, Drafter
+from kvforge.spec_decode.drafter import DraftBatch, Drafter, TargetModel
 from kvforge.spec_decode.policy import SpecDecodeStats, SpeculationPolicy, SpeculativeConfig
+from kvforge.spec_decode.target_states import target_hidden_states
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,7 @@ class SpecDecoder:
         self._last_complete: float | None = None  # perf_counter() of the last applied step (step times)
         self._proposed: dict[str, int] = {}  # request id -> drafts the drafter proposed for the step (no fillers)
         self._step_modes: dict[int, bool] = {}  # id(SchedulerOutput) -> whether its step was speculating
+        self.capture: HiddenStateCapture | None = None  # the target's captured layers (a drafter that reads them)
 
     @classmethod
     def build(cls, pm: Any, config: EngineConfig, sampler: Sampler, *, vocab_size: int, device: torch.device,
@@ -59,6 +70,39 @@ class SpecDecoder:
                               device=device, dtype=dtype, block_size=config.block_size, **options)
         logger.info("speculative decoding: %s, k=%d, policy %s", sc.method, sc.num_speculative_tokens, sc.policy)
         return cls(drafter, sc, device, config.block_size)
+
+    def attach(self, runner: ModelRunner, config: EngineConfig, model_config: ModelConfig) -> None:
+        """Hand the drafter the driver's target model (``Drafter.bind_target``); if it reads hidden states,
+        make the target's forward capture its layers into a buffer of the largest step (a full token
+        budget, the largest decode or verification graph) and have the runner pass every step on."""
+        model = runner.worker.model
+        if model is None:
+            raise RuntimeError("speculative decoding: the driver rank holds no model")
+        module = cast(torch.nn.Module, model)  # (a RankModel is the loaded CausalLM module)
+        layers = tuple(self.drafter.bind_target(TargetModel(module, model_config, config.tensor_parallel_size,
+                                                            config.pipeline_parallel_size)))
+        if not layers:
+            return
+        rows = max(config.max_num_batched_tokens, capture_sizes(config.max_num_seqs)[-1], MAX_SPEC_GRAPH_TOKENS)
+        self.capture = HiddenStateCapture(layers, num_layers=model_config.num_hidden_layers,
+                                          hidden_size=model_config.hidden_size, max_tokens=rows,
+                                          dtype=config.torch_dtype, device=runner.device)
+        hidden_capture.install(model, self.capture)
+        runner.step_observer = self.observe_step
+
+    def observe_step(self, step: StepInput, plan: StepPlan, out: SchedulerOutput, fwd: ForwardOutput,
+                     handle: StepHandle) -> None:
+        """A step's forward and sampling are queued: its hidden states to the drafter (``Drafter.observe``)."""
+        if self.capture is None:
+            return
+        states = target_hidden_states(step, plan, out.scheduled, fwd, handle, self.capture)
+        if states is not None:
+            self.drafter.observe(states)
+
+    def shutdown(self) -> None:
+        """The engine shuts down: the drafter gives back what it holds, and the capture buffer goes."""
+        self.drafter.shutdown()
+        self.capture = None
 
     @property
     def k(self) -> int:

@@ -213,14 +213,20 @@ class GemmaModel(LlamaModel):
         ropes = {False: self.rotary_emb.bind(positions, hidden, attn_meta)}
         if self.rotary_emb_local is not None:
             ropes[True] = self.rotary_emb_local.bind(positions, hidden, attn_meta)
+        capture = self.capture
         for i in range(self.start, self.end):
+            if capture is not None:  # (Gemma's layers carry the residual stream in hidden)
+                capture.record(i, hidden)
             rope = ropes[self.rotary_emb_local is not None and self.config.window_of(i) is not None]
             hidden = self.layers[i](positions, hidden, rope, kv_caches[i - self.start], attn_meta)
         if not self.is_last:
             return hidden, torch.zeros_like(hidden)  # (hidden, residual) as the stages exchange them
         if self.norm is None:
             raise RuntimeError("the last pipeline stage holds the final norm")
-        return self.norm(hidden)
+        out = self.norm(hidden)
+        if capture is not None:
+            capture.record_final(out)
+        return out
 
 
 GEMMA_PRESETS: dict[str, ModelConfig] = {

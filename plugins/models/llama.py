@@ -34,6 +34,7 @@ from kvforge.layers.weight_map import WeightMap
 from kvforge.layers.weight_map import load_weights as load_mapped_weights
 from kvforge.layers.weights import ShardId
 from kvforge.model.config import FULL, SLIDING, ConfigFields, GGUFArchitecture, HFConfig, ModelConfig, windowed_layers
+from kvforge.model.hidden_capture import HiddenStateCapture
 from kvforge.model.interface import ModelCapabilities, ModelFamily
 from kvforge.plugins.models import fused_ops
 from kvforge.rank import parallel_state
@@ -184,6 +185,8 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm: nn.Module | None = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary_emb = RotaryEmbedding(config)
+        #: the layers' hidden states each forward writes (``LlamaForCausalLM.capture_hidden_states``)
+        self.capture: HiddenStateCapture | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -200,13 +203,19 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary_emb.bind(positions, hidden, attn_meta)
+        capture = self.capture
         for i in range(self.start, self.end):
+            if capture is not None:  # the stream entering layer i (transformers' hidden_states[i])
+                capture.record(i, hidden, residual)
             hidden, residual = self.layers[i](positions, hidden, residual, rope, kv_caches[i - self.start], attn_meta)
         if not self.is_last:  # (a stage without layers hands on a zero residual)
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         if self.norm is None:
             raise RuntimeError("the last pipeline stage holds the final norm")
-        return self.norm(hidden, residual)[0]
+        out = self.norm(hidden, residual)[0]
+        if capture is not None:
+            capture.record_final(out)
+        return out
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input embeddings (a family that scales them overrides this)."""
@@ -334,6 +343,12 @@ class LlamaForCausalLM(nn.Module):
         (a pipeline stage other than the last: (hidden, residual) for the next one). ``inputs_embeds``:
         the first stage's input embeddings instead of ``input_ids``' (a multimodal model's, images merged)."""
         return self.model(input_ids, positions, kv_caches, attn_meta, intermediate, inputs_embeds)
+
+    def capture_hidden_states(self, capture: HiddenStateCapture | None) -> None:
+        """From now on every forward writes ``capture``'s layers' hidden states of its tokens into
+        ``capture.buffer`` (``kvforge.model.hidden_capture``: ids as transformers' ``output_hidden_states``);
+        None stops. Every family built on this class inherits it (their stacks are ``LlamaModel``s)."""
+        self.model.capture = capture
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size] (on every tensor-parallel rank)."""

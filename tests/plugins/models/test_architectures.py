@@ -103,6 +103,41 @@ def test_the_forward_cut_at_attention_gives_the_eager_hidden_states_unless_it_re
     assert "forward" not in vars(attn)  # the backend's own forward again
 
 
+@torch.inference_mode()
+def test_captured_hidden_states_are_transformers_output_hidden_states(arch):
+    # The hook EAGLE heads read (kvforge.model.hidden_capture): every family writes, for ids 0..L, exactly
+    # transformers' output_hidden_states (embeddings, each layer's output, the final normed states)
+    import transformers
+
+    from kvforge.model.hidden_capture import HiddenStateCapture, install
+
+    test_id, path, _ = arch
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.config._attn_implementation = "eager"
+    llm = LLM(model=path, device="cpu", dtype="float32", block_size=16, num_gpu_blocks_override=8)
+    worker = llm.llm_engine.runner.worker
+    model, attn, caches = worker.model, worker.attn, worker.kv_caches
+    L, h = hf.config.num_hidden_layers, hf.config.hidden_size
+    T = len(PROMPTS[4])
+    capture = HiddenStateCapture(range(L + 1), num_layers=L, hidden_size=h, max_tokens=T + 8, dtype=torch.float32,
+                                 device="cpu")
+    install(model, capture)
+    layout = uniform_layout(1, T, 8, seq_lens=np.array([T], dtype=np.int32),
+                            block_tables=np.arange(8, dtype=np.int32)[None], slots=np.arange(T, dtype=np.int64))
+    try:
+        out = hidden_states(model(torch.tensor(PROMPTS[4]), torch.arange(T), caches, attn.build_metadata(layout)))
+    finally:
+        install(model, None)
+    ref = hf(torch.tensor([PROMPTS[4]]), output_hidden_states=True).hidden_states
+    assert len(ref) == L + 1
+    got = capture.rows(T)
+    for i in range(L + 1):
+        torch.testing.assert_close(got[:, i * h:(i + 1) * h], ref[i][0], atol=2e-4, rtol=2e-4,
+                                   msg=lambda m, i=i: f"{test_id}: layer id {i}: {m}")
+    assert torch.equal(got[:, L * h:], out)  # id L is what the forward returns
+    assert model.model.capture is None  # uninstalled: later forwards write nothing
+
+
 @pytest.mark.parametrize("test_id,parallel", [
     ("gpt-oss", dict(tensor_parallel_size=2)),  # experts, sinks, biases split over two gloo ranks
     ("qwen2-moe", dict(tensor_parallel_size=2)),  # shared expert and a dense layer too

@@ -35,6 +35,22 @@ def test_third_party_granite_equals_transformers(dummy_plugin_installed, tmp_pat
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [greedy(hf, p, 16) for p in prompts]
     check_no_blocks(llm.llm_engine)
+    # the hidden-state hook (EAGLE heads read it) is inherited from LlamaForCausalLM: transformers' states too
+    from kvforge.model.hidden_capture import HiddenStateCapture, install
+    from kvforge.rank.cuda_graphs import uniform_layout
+
+    worker, T = llm.llm_engine.runner.worker, len(prompts[2])
+    capture = HiddenStateCapture(range(3), num_layers=2, hidden_size=64, max_tokens=T, dtype=torch.float32, device="cpu")
+    install(worker.model, capture)
+    layout = uniform_layout(1, T, 4, seq_lens=torch.tensor([T], dtype=torch.int32).numpy(),
+                            block_tables=torch.arange(4, dtype=torch.int32)[None].numpy(),
+                            slots=torch.arange(T).numpy())
+    with torch.inference_mode():
+        worker.model(torch.tensor(prompts[2]), torch.arange(T), worker.kv_caches, worker.attn.build_metadata(layout))
+    install(worker.model, None)
+    ref = hf(torch.tensor([prompts[2]]), output_hidden_states=True).hidden_states
+    for i in range(3):
+        torch.testing.assert_close(capture.rows(T)[:, 64 * i:64 * (i + 1)], ref[i][0], atol=2e-4, rtol=2e-4)
 
 
 def test_kvforge_models_lists_the_third_party_architecture(dummy_plugin_installed):
