@@ -49,6 +49,9 @@ _XGRAMMAR_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\] \S+:\d+: ")
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 #: keywords whose values map names to schemas (a key there is a name, never a keyword)
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+#: why a constraint that admits no output at all (every token masked, no end) is refused
+NO_OUTPUT = ("structured_outputs: the constraint admits no output (a schema that only refers to itself, "
+             "or an empty language)")
 
 
 def xgrammar_message(exc: BaseException) -> str:
@@ -206,7 +209,10 @@ class StructuredOutputManager:
             alternatives = " | ".join(json.dumps(c) for c in so.choice)
             return compiler.compile_grammar(f"root ::= {alternatives}")
         except Exception as exc:
-            raise ValueError(f"structured_outputs: invalid constraint: {xgrammar_message(exc)}") from exc
+            message = xgrammar_message(exc)
+            if "circular $ref" in message.lower():  # xgrammar >= 0.2.9 finds {"$ref": "#"} while compiling
+                raise ValueError(NO_OUTPUT) from exc
+            raise ValueError(f"structured_outputs: invalid constraint: {message}") from exc
 
     def _compile_checked(self, so: StructuredOutputsParams) -> CompiledGrammar:
         """Compile, then refuse a constraint that admits no output at all (e.g. ``{"$ref": "#"}``, a
@@ -218,8 +224,7 @@ class StructuredOutputManager:
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()) and not matcher.is_terminated():
-            raise ValueError("structured_outputs: the constraint admits no output (a schema that only refers "
-                             "to itself, or an empty language)")
+            raise ValueError(NO_OUTPUT)
         return grammar
 
     def submit(self, so: StructuredOutputsParams) -> tuple[Future[CompiledGrammar], float]:
