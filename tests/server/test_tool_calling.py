@@ -88,13 +88,18 @@ def test_forced_tool_choice_parses_for_every_seed(smol, choice, stream):
         results = list(pool.map(one, SEEDS))
     ids = []
     for message, finish in results:
-        assert finish == "tool_calls" and message["tool_calls"], message
+        # "required" lets a sampled answer call again and again (this 135M model repeats its call at some
+        # seeds until max_tokens): a cut answer is still calls, every one complete but the one being written
+        assert finish in ("tool_calls", "length") and message["tool_calls"], message
         assert not message["content"]
-        for call in message["tool_calls"]:
+        complete = message["tool_calls"] if finish == "tool_calls" else message["tool_calls"][:-1]
+        for call in complete:
             check_call(call)
-            ids.append(call["id"])
+        ids += [call["id"] for call in message["tool_calls"]]
         if choice == "named":
+            assert finish == "tool_calls", message  # one call, no array: it always fits
             assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert sum(finish == "tool_calls" for _, finish in results) > len(SEEDS) // 2
     assert len(ids) == len(set(ids))  # every call has its own id
 
 
