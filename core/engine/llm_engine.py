@@ -12,7 +12,7 @@ from kvforge.builder import component, kv_tiers, validate_plugin_tables
 from kvforge.config import EngineConfig
 from kvforge.engine.output_processor import OutputProcessor, ParentState
 from kvforge.engine.request_factory import RequestFactory
-from kvforge.engine.stats import EngineStats
+from kvforge.engine.stats import EngineStats, engine_stats
 from kvforge.engine.structured_output import StructuredOutputManager
 from kvforge.errors import RequestFailure, is_device_error
 from kvforge.lora.registry import LoRARegistry, check_lora_request
@@ -484,21 +484,7 @@ class LLMEngine:
                     self.fail_request(rid, RequestFailure(req.grammar.error, 400))
 
     def get_stats(self) -> EngineStats:
-        kv = self.kv_cache.stats()
-        sch = self.scheduler.stats()
-        return {"num_running": sch.num_running, "num_waiting": sch.num_waiting,
-                "num_preemptions": sch.num_preemptions, "kv_cache_usage": kv.usage,
-                "num_preemptions_recompute": sch.num_preemptions - sch.num_preemptions_swap,
-                "num_preemptions_swap": sch.num_preemptions_swap, "num_swapped": sch.num_swapped,
-                "num_swapped_out_blocks": kv.num_swapped_out_blocks, "num_cpu_blocks": kv.num_cpu_blocks,
-                "num_free_cpu_blocks": kv.num_free_cpu_blocks, "waiting_by_priority": sch.waiting_by_priority,
-                "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
-                "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
-                "prefix_cache_tier_hits": kv.tier_hits, "kv_tier_stored_blocks": kv.tier_stored_blocks,
-                "prefix_cache_cpu_hits": kv.tier_hits_by_tier.get("cpu", 0),
-                "prefix_cache_disk_hits": kv.tier_hits_by_tier.get("disk", 0),
-                "kv_tier_cpu_blocks": kv.tier_held_by_tier.get("cpu", 0),
-                "kv_tier_disk_blocks": kv.tier_held_by_tier.get("disk", 0),
-                "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": self.num_generation_tokens,
-                "spec_decode": self.spec.stats.as_dict() if self.spec is not None else None,
-                "rank_batch_requests": list(self.rank_batch_requests)}
+        return engine_stats(self.kv_cache.stats(), self.scheduler.stats(), num_prompt_tokens=self.num_prompt_tokens,
+                            num_generation_tokens=self.num_generation_tokens,
+                            spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
+                            rank_batch_requests=list(self.rank_batch_requests))

@@ -4,9 +4,13 @@ boundaries (the engine core process, Ray replicas) as it is; these types say whi
 """
 from __future__ import annotations
 
-from typing import Literal, TypedDict, get_args
+from typing import TYPE_CHECKING, Literal, TypedDict, get_args
 
 from typing_extensions import NotRequired  # typing's from Python 3.11
+
+if TYPE_CHECKING:
+    from kvforge.kv_cache import KVCacheStats
+    from kvforge.scheduler import SchedulerStats
 
 
 class SpecDecodeSnapshot(TypedDict):
@@ -61,3 +65,23 @@ CountKey = Literal["num_running", "num_waiting", "num_preemptions", "num_preempt
                    "prefix_cache_disk_hits", "kv_tier_cpu_blocks", "kv_tier_disk_blocks",
                    "num_prompt_tokens", "num_generation_tokens"]
 COUNT_KEYS: tuple[CountKey, ...] = get_args(CountKey)
+
+
+def engine_stats(kv: KVCacheStats, sch: SchedulerStats, *, num_prompt_tokens: int, num_generation_tokens: int,
+                 spec_decode: SpecDecodeSnapshot | None, rank_batch_requests: list[int]) -> EngineStats:
+    """One engine's snapshot from its KV manager's and scheduler's stats (``LLMEngine.get_stats``)."""
+    return {"num_running": sch.num_running, "num_waiting": sch.num_waiting,
+            "num_preemptions": sch.num_preemptions, "kv_cache_usage": kv.usage,
+            "num_preemptions_recompute": sch.num_preemptions - sch.num_preemptions_swap,
+            "num_preemptions_swap": sch.num_preemptions_swap, "num_swapped": sch.num_swapped,
+            "num_swapped_out_blocks": kv.num_swapped_out_blocks, "num_cpu_blocks": kv.num_cpu_blocks,
+            "num_free_cpu_blocks": kv.num_free_cpu_blocks, "waiting_by_priority": sch.waiting_by_priority,
+            "num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_tier_hits": kv.tier_hits, "kv_tier_stored_blocks": kv.tier_stored_blocks,
+            "prefix_cache_cpu_hits": kv.tier_hits_by_tier.get("cpu", 0),
+            "prefix_cache_disk_hits": kv.tier_hits_by_tier.get("disk", 0),
+            "kv_tier_cpu_blocks": kv.tier_held_by_tier.get("cpu", 0),
+            "kv_tier_disk_blocks": kv.tier_held_by_tier.get("disk", 0),
+            "num_prompt_tokens": num_prompt_tokens, "num_generation_tokens": num_generation_tokens,
+            "spec_decode": spec_decode, "rank_batch_requests": rank_batch_requests}
