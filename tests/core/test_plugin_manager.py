@@ -232,6 +232,6 @@ def test_cli_plugins_lists_json(dummy_plugin_installed):
                                             "tool_parser": ["dummy_xml"]}
     assert "torch" in report["attention"]["registers"]["attention_backend"]
     assert report["quantization"]["registers"] == {
-        "quantization_method": ["fp8", "int4", "awq", "gptq", "compressed-tensors"]}
+        "quantization_method": ["fp8", "int4", "awq", "gptq", "mxfp4", "compressed-tensors"]}
     assert report["tool_parsers"]["registers"] == {"tool_parser": ["hermes", "llama3_json", "mistral", "pythonic"]}
     assert report["reasoning_parsers"]["registers"] == {"reasoning_parser": ["deepseek_r1", "qwen3"]}

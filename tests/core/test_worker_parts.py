@@ -72,16 +72,16 @@ def test_the_draft_model_is_built_and_sized_as_the_worker_builds_its_model(draft
 
 
 def test_the_draft_model_lays_out_its_forwards_with_the_workers_layout(drafting, monkeypatch):
-    from kvforge.plugins.speculative import draft_model
+    from kvforge.plugins.speculative import model_drafting  # draft_model's (and the EAGLE heads') forwards
 
-    assert draft_model.lay_out_batch is batch_layout.lay_out_batch
+    assert model_drafting.lay_out_batch is batch_layout.lay_out_batch
     seen: list[np.ndarray] = []
 
     def counting(buf, *args, **kwargs):
         layout = batch_layout.lay_out_batch(buf, *args, **kwargs)
         seen.append(layout.slot_mapping.copy())
         return layout
-    monkeypatch.setattr(draft_model, "lay_out_batch", counting)
+    monkeypatch.setattr(model_drafting, "lay_out_batch", counting)
     out = drafting.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                             use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
