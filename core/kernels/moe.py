@@ -56,6 +56,32 @@ def _lay_out_blocks(counts, block_expert_ptr, num_padded_ptr, pairs_ptr, num_pai
     return padded_end - padded
 
 
+@triton.jit
+def _store_activation(gate, up, out_ptr, offs_m, offs_n, n_ok, stride_om, alpha, limit, ACTIVATION: tl.constexpr):
+    """Store act(gate, up) (float32 [BLOCK_M, BLOCK_N], rounded as the reference rounds) at rows offs_m."""
+    dt = out_ptr.dtype.element_ty
+    if ACTIVATION == 0:  # silu(gate) * up
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+    else:  # swigluoai: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    # NOTE: padding rows are written too (finite: their x rows load as zeros), so the down kernel
+    # reads whole blocks unmasked
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, act.to(dt), mask=n_ok[None, :])
+
+
+@triton.jit
+def _store_routed(y, pairs_ptr, routing_ptr, out_ptr, offs_m, offs_n, n_ok, num_pairs, stride_om):
+    """Store routing[pair] * y (float32 [BLOCK_M, BLOCK_N]) at each real row's pair; padding rows are dropped."""
+    pairs = tl.load(pairs_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    y = y * tl.load(routing_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
 # ---- the GEMMs ----------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -106,16 +132,7 @@ def gate_up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, num_padded_
         gate = (gate + tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
         up = (up + tl.load(bias + inter * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
         up = up.to(tl.float32)
-    if ACTIVATION == 0:  # silu(gate) * up
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
-    else:  # swigluoai: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    # NOTE: padding rows are written too (finite: their x rows load as zeros), so the down kernel
-    # reads whole blocks unmasked
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, act.to(dt), mask=n_ok[None, :])
+    _store_activation(gate, up, out_ptr, offs_m, offs_n, n_ok, stride_om, alpha, limit, ACTIVATION)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -152,11 +169,7 @@ def down_kernel(a_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * stride_be + offs_n * stride_bn, mask=n_ok, other=0.0)
         y = (y + bias.to(tl.float32)[None, :]).to(dt).to(tl.float32)
-    pairs = tl.load(pairs_ptr + offs_m)
-    row_ok = pairs < num_pairs
-    y = y * tl.load(routing_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, y.to(dt), mask=row_ok[:, None] & n_ok[None, :])
+    _store_routed(y, pairs_ptr, routing_ptr, out_ptr, offs_m, offs_n, n_ok, num_pairs, stride_om)
 
 
 # ---- the alignment ------------------------------------------------------------------------------------

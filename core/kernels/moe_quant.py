@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels import fit_block, launcher
-from kvforge.kernels.moe import _grouped_tile
+from kvforge.kernels.moe import _grouped_tile, _store_activation, _store_routed
 
 if TYPE_CHECKING:
     from kvforge.layers.fused_moe import ExpertBlocks, MoeTiles
@@ -97,14 +97,7 @@ def quant_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, pairs_ptr, block_expert_ptr
         bias = b_ptr + expert * stride_be + offs_n
         gate = (gate + tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
         up = (up + tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-    if ACTIVATION == 0:
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
-    else:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, act.to(dt), mask=n_ok[None, :])
+    _store_activation(gate, up, out_ptr, offs_m, offs_n, n_ok, stride_om, alpha, limit, ACTIVATION)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -136,11 +129,7 @@ def quant_down_kernel(a_ptr, w_ptr, s_ptr, b_ptr, pairs_ptr, block_expert_ptr, n
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0)
         y = (y + bias.to(tl.float32)[None, :]).to(dt).to(tl.float32)
-    pairs = tl.load(pairs_ptr + offs_m)
-    row_ok = pairs < num_pairs
-    y = y * tl.load(routing_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, y.to(dt), mask=row_ok[:, None] & n_ok[None, :])
+    _store_routed(y, pairs_ptr, routing_ptr, out_ptr, offs_m, offs_n, n_ok, num_pairs, stride_om)
 
 
 def quantized_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
