@@ -163,13 +163,8 @@ class TierChain:
     def save(self, block_hash: int, tokens: Sequence[int], device_block: int) -> None:
         """A device block holding this prefix is about to be reused: keep a copy in the fastest tier that
         keeps it (one holding it already refreshes it, and it is not copied again)."""
-        for level, tier in enumerate(self.levels):
-            if block_hash in tier.held:
-                tier.touch(block_hash)
-                return
-            key = self._put(level, block_hash, tokens)
-            if key is not None:
-                self.ops.saves.append((level, device_block, key))
+        for level in range(len(self.levels)):
+            if self._keep(level, block_hash, tokens, device_block):
                 return
 
     def persist(self, block_hash: int, tokens: Sequence[int], device_block: int) -> None:
@@ -178,13 +173,20 @@ class TierChain:
         level = next((i for i, t in enumerate(self.levels) if t.persistent), None)
         if level is None or block_hash in self.loading:  # (a block loaded in this step is not filled yet)
             return
+        self._keep(level, block_hash, tokens, device_block)
+
+    def _keep(self, level: int, block_hash: int, tokens: Sequence[int], device_block: int) -> bool:
+        """Whether tier ``level`` holds the block now: it held it already (refreshed), or it took a copy (a
+        save of ``device_block`` in this step's copies)."""
         tier = self.levels[level]
         if block_hash in tier.held:
             tier.touch(block_hash)
-            return
+            return True
         key = self._put(level, block_hash, tokens)
-        if key is not None:
-            self.ops.saves.append((level, device_block, key))
+        if key is None:
+            return False
+        self.ops.saves.append((level, device_block, key))
+        return True
 
     def ready(self, hashes: Sequence[int]) -> bool:
         """Whether every block ``hashes`` names can be loaded in the next step; the reads of all that cannot
