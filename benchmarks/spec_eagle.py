@@ -31,7 +31,12 @@ import time
 import types
 
 import torch
-from spec_oracle import ForcedLlama, forced, per_position_rate  # benchmarks/ is this script's directory
+from spec_oracle import (  # benchmarks/ is this script's directory
+    ForcedLlama,
+    force_acceptance,
+    forced,
+    per_position_rate,
+)
 
 from kvforge import LLM, SamplingParams
 from kvforge.hookspecs import hookimpl
@@ -56,14 +61,7 @@ class OracleEagle3Drafter(Eagle3Drafter):
 
     def propose(self, batch):
         proposal = super().propose(batch)
-        for b, r in enumerate(batch.requests):
-            drafts = proposal.token_ids[b]
-            right = 0
-            while right < len(drafts) and self.rng.random() < self.rate:
-                right += 1
-            proposal.token_ids[b] = [int(forced(r.num_tokens + j, self.vocab_size)) + (j >= right)
-                                     for j in range(len(drafts))]
-        proposal.draft_probs = None  # greedy verification: q one-hot
+        force_acceptance(proposal, batch, self.rng, self.rate, self.vocab_size)
         return proposal
 
 

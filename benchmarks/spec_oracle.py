@@ -72,6 +72,18 @@ def per_position_rate(acceptance: float, k: int) -> float:
     return (lo + hi) / 2
 
 
+def force_acceptance(proposal, batch, rng: random.Random, rate: float, vocab: int) -> None:
+    """Replace a proposal's drafts in place: draft i is the forced token with probability ``rate`` given that
+    drafts 1..i-1 were, else a wrong one; verification is greedy (q one-hot)."""
+    for b, r in enumerate(batch.requests):
+        drafts = proposal.token_ids[b]
+        right = 0
+        while right < len(drafts) and rng.random() < rate:
+            right += 1
+        proposal.token_ids[b] = [int(forced(r.num_tokens + j, vocab)) + (j >= right) for j in range(len(drafts))]
+    proposal.draft_probs = None
+
+
 class OracleDrafter(DraftModelDrafter):
     """Test-only: the draft model runs, then its proposals are corrupted to a set acceptance (see the
     module docstring)."""
@@ -85,14 +97,7 @@ class OracleDrafter(DraftModelDrafter):
 
     def propose(self, batch):
         proposal = super().propose(batch)
-        for b, r in enumerate(batch.requests):
-            drafts = proposal.token_ids[b]
-            right = 0
-            while right < len(drafts) and self.rng.random() < self.rate:
-                right += 1
-            proposal.token_ids[b] = [forced(r.num_tokens + j, self.vocab_size) + (j >= right)
-                                     for j in range(len(drafts))]
-        proposal.draft_probs = None  # greedy verification: q one-hot
+        force_acceptance(proposal, batch, self.rng, self.rate, self.vocab_size)
         return proposal
 
 
