@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 def piecewise_sizes(max_tokens: int) -> list[int]:
     """The token buckets: steps of 32 up to 256, of 128 up to 1,024, of 256 beyond (padding stays
     under an eighth of a step past 256 tokens, where padded rows start to cost compute)."""
-    sizes = [s for s in range(32, 257, 32)] + list(range(384, 1025, 128)) + list(range(1280, max_tokens + 1, 256))
+    sizes = list(range(32, 257, 32)) + list(range(384, 1025, 128)) + list(range(1280, max_tokens + 1, 256))
     sizes = [s for s in sizes if s <= max_tokens]
     if not sizes or sizes[-1] != max_tokens:
         sizes.append(max_tokens)
@@ -144,10 +144,6 @@ class PiecewiseGraphs:
         self.graphs: dict[int, PiecewiseGraph] = {}
         self.replays: dict[int, int] = {}  # bucket -> replays so far
         self._outs: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}  # attention outputs, by shape
-
-    @property
-    def max_tokens(self) -> int:
-        return self.sizes[-1] if self.graphs else 0
 
     def bucket(self, num_tokens: int) -> int | None:
         """The captured bucket a step of ``num_tokens`` replays, or None (too large, or not captured)."""
